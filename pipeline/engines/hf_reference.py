@@ -1,0 +1,47 @@
+"""Independent reference: hidden states from a plain transformers forward pass.
+
+Used by `verify` (parity against the engine that extracted the data). It maps vLLM layer ids to HF
+`output_hidden_states` indices through pipeline.layers, and takes id N from a forward hook on the last
+decoder layer (HF index N is after the final norm, vLLM id N is before it).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layers import hf_reference_index
+
+
+def load_model(path, dtype: str = "bfloat16", trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    return model.eval()
+
+
+def decoder_layers(model):
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    if hasattr(base, "language_model"):  # multimodal wrappers (Kimi-K2.5)
+        base = base.language_model
+    return base.layers
+
+
+@torch.no_grad()
+def hidden_states(model, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """[T, len(layer_ids), H] in vLLM's convention."""
+    layers = decoder_layers(model)
+    n = len(layers)
+    captured = {}
+
+    def hook(_mod, _inp, out):
+        captured["last"] = out[0] if isinstance(out, tuple) else out
+
+    handle = layers[-1].register_forward_hook(hook)
+    try:
+        out = model(torch.tensor([token_ids]), output_hidden_states=True, use_cache=False)
+    finally:
+        handle.remove()
+    cols = []
+    for lid in layer_ids:
+        idx = hf_reference_index(lid, n)
+        cols.append((out.hidden_states[idx] if idx is not None else captured["last"])[0])
+    return torch.stack(cols, dim=1)

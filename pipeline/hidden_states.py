@@ -1,0 +1,52 @@
+"""The hidden-state file format and its cheap checks.
+
+One safetensors file per sample, as vLLM's extract_hidden_states connector writes it and speculators
+0.9.0 reads it: {"hidden_states": [T, L, H] (model dtype), "token_ids": [T]}, layers in ascending id
+order (the ids live in the step manifest and in `hidden_states.json` beside the files).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+META = "hidden_states.json"
+
+
+def file_name(index: int) -> str:
+    return f"hs_{index}.safetensors"
+
+
+def header(path: Path) -> dict:
+    """The safetensors JSON header (dtypes, shapes) without reading tensor data."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n <= 0 or n > 1 << 24:
+            raise ValueError(f"{path}: not a safetensors file (header size {n})")
+        return json.loads(f.read(n))
+
+
+def check_header(path: Path, tokens: int, num_ids: int, hidden: int) -> str | None:
+    """A reason the file cannot be this sample's hidden states, or None if its header fits."""
+    try:
+        h = header(path)
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        return f"unreadable: {e}"
+    hs, ids = h.get("hidden_states"), h.get("token_ids")
+    if hs is None or ids is None:
+        return f"missing tensors (has {sorted(k for k in h if k != '__metadata__')})"
+    if hs["shape"] != [tokens, num_ids, hidden]:
+        return f"hidden_states shape {hs['shape']} != expected {[tokens, num_ids, hidden]}"
+    if ids["shape"] != [tokens]:
+        return f"token_ids shape {ids['shape']} != expected {[tokens]}"
+    end = max(t["data_offsets"][1] for k, t in h.items() if k != "__metadata__")
+    n = int.from_bytes(open(path, "rb").read(8), "little")
+    if path.stat().st_size != 8 + n + end:
+        return f"truncated: {path.stat().st_size} bytes, header promises {8 + n + end}"
+    return None
+
+
+def load(path: Path):
+    from safetensors.torch import load_file
+
+    d = load_file(str(path))
+    return d["hidden_states"], d["token_ids"]

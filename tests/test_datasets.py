@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from pipeline.chat import tokenize_conversation
+from pipeline.datasets import LoadReport, load_conversations, near_duplicates, normalize, recover_json_array
+from pipeline.manifest import StepError
+
+
+def test_truncated_array_keeps_complete_records():
+    recs = [{"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]} for i in range(3)]
+    text = json.dumps(recs)
+    cut = text[: text.rindex('"value": "a"') + 5]  # cut inside the last record
+    got, skipped = recover_json_array(cut, "x.json")
+    assert [r["id"] for r in got] == ["0", "1"]
+    assert skipped > 0
+    assert recover_json_array(text, "x.json") == (recs, 0)
+
+
+def test_malformed_middle_is_an_error_naming_the_file():
+    text = '[{"id": "a", "conversations": []}, {"id": "b", "conversations": [}]'
+    with pytest.raises(StepError, match="bad.json: malformed JSON"):
+        recover_json_array(text, "bad.json")
+
+
+def test_not_an_array(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text('{"id": 1}')
+    with pytest.raises(StepError, match="expected a JSON array"):
+        load_conversations("vllm-0.32", str(p))
+
+
+def test_malformed_jsonl_names_line(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"conversations": []}\n{oops\n')
+    with pytest.raises(StepError, match=r"c.jsonl:2"):
+        load_conversations("vllm-0.32", str(p))
+
+
+def test_normalize_roles_merge_and_drop():
+    rep = LoadReport("x")
+    c = normalize({"id": "1", "conversations": [
+        {"from": "gpt", "value": "continuation"},
+        {"from": "human", "value": "Q1"}, {"from": "user", "value": "more"},
+        {"from": "chatgpt", "value": "A1"}, {"from": "human", "value": "dangling"}]}, rep)
+    assert c["messages"] == [{"role": "user", "content": "Q1\n\nmore"}, {"role": "assistant", "content": "A1"}]
+    assert normalize({"conversations": []}, rep) is None
+    assert normalize({"conversations": [{"from": "alien", "value": "x"}]}, rep) is None
+    assert rep.dropped == {"empty conversation": 1, "unknown role": 1}
+
+
+def test_packaged_sharegpt_is_recovered():
+    convs, rep = load_conversations("vllm-0.32")
+    assert rep.records_recovered == 17671  # every complete record before the cut
+    assert rep.bytes_skipped_at_end > 0
+    assert len(convs) == rep.kept > 15000
+    assert len({c["id"] for c in convs}) == len(convs)
+
+
+def test_near_duplicate_detection():
+    q = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions."
+    convs = [
+        {"id": "copy", "messages": [{"role": "user", "content": "Please: " + q.lower()}, {"role": "assistant", "content": "x"}]},
+        {"id": "other", "messages": [{"role": "user", "content": "Write a poem about the sea and the sky at dawn."}, {"role": "assistant", "content": "x"}]},
+    ]
+    assert near_duplicates(convs, [q]) == {"copy"}
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(smollm2):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]
+    t = tokenize_conversation(tok, msgs, 1024)
+    masked = tok.decode([i for i, m in zip(t.input_ids, t.loss_mask) if m])
+    assert masked == "Hello!<|im_end|>\nGoodbye.<|im_end|>\n"
+    assert tok.decode(t.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
+    short = tokenize_conversation(tok, msgs, 10)
+    assert len(short.input_ids) == 10 and sum(short.loss_mask) == 0
