@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .env import setup_env
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="redo the step even if its manifest is complete")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     args = ap.parse_args(argv)
+    # SIGTERM (docker stop, a scheduler, a test) unwinds like Ctrl-C, so engines are stopped and
+    # no manifest is written for an unfinished step.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     setup_env()
     from .config import ConfigError, load_config
     from .manifest import StepError

@@ -194,9 +194,11 @@ def run_step(
         print(f"[{name}] complete for these inputs ({out}); skipping. Use --force to redo.")
         return old
     (out / MANIFEST).unlink(missing_ok=True)
-    if out.exists() and not keep_partial:
-        _empty_dir(out)
+    partial = out / ".fingerprint"
+    if out.exists() and (force or not (keep_partial and partial.exists() and partial.read_text() == fingerprint)):
+        _empty_dir(out)  # stale outputs of other inputs must never mix with new ones
     out.mkdir(parents=True, exist_ok=True)
+    partial.write_text(fingerprint)
     started = time.time()
     print(f"[{name}] running -> {out}")
     result = fn(cfg, out)

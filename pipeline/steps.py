@@ -12,6 +12,10 @@ STEPS = {
     "prepare": ("prepare", ("run", "data"), ("model",), False),
     "extract": ("extract", ("extract",), ("model", "prepare"), True),
     "verify": ("verify", ("verify",), ("model", "extract"), False),
+    "vocab": ("vocab", ("vocab",), ("model", "prepare"), False),
+    "train": ("train", ("train", "vocab"), ("verify", "vocab"), True),
+    "eval": ("evaluate", ("eval",), ("train",), False),
+    "report": ("report", (), ("model", "prepare", "extract", "verify", "vocab", "train", "eval"), False),
 }
 
 

