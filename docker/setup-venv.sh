@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or check) the local CPU virtual environment for one stack: `docker/setup-venv.sh vllm-0.32 .venv`.
 # Idempotent: a stamp file records the hash of everything that defines the environment (this script,
-# the stack description, the patch series); when it matches, nothing is done.
+# the stack description, docker/requirements-tools.txt, the patch series); when it matches, nothing is done.
 # Versions come only from docker/stacks/<stack>.env. Never lets a dependency pull a CUDA torch.
 set -euo pipefail
 STACK=${1:-vllm-0.32}
@@ -15,7 +15,7 @@ set -a; . "$ENV_FILE"; set +a
 export PIP_CACHE_DIR="$ROOT/.cache/pip" TMPDIR="$ROOT/.cache/tmp" PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$TMPDIR" "$ROOT/data/packages"
 
-stamp_inputs() { cat "$0" "$ENV_FILE"; find "$ROOT/patches/speculators/$SPECULATORS_VERSION" -type f -print0 2>/dev/null | sort -z | xargs -0r cat; }
+stamp_inputs() { cat "$0" "$ENV_FILE" "$ROOT/docker/requirements-tools.txt"; find "$ROOT/patches/speculators/$SPECULATORS_VERSION" -type f -print0 2>/dev/null | sort -z | xargs -0r cat; }
 STAMP="$VENV/.stack-$STACK"
 WANT=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
