@@ -2,14 +2,16 @@
 """Apply, check and hash the versioned source-patch series under patches/.
 
 Layout: patches/<dist>/<version>/series lists patch files (one per line, '#'
-comments and blank lines ignored) that live next to it. Paths inside a patch are
+comments and blank lines ignored) that live next to it. Words after a file name
+are tags (known: ``cpu-only``); ``apply --exclude-tag cpu-only`` leaves those
+patches out (GPU images), ``check`` verifies the series with and without them. Paths inside a patch are
 relative to the site-packages dir that holds the distribution
 (``a/speculators/train/trainer.py``) and are applied with ``git apply -p1``.
 
 Commands (stdlib only, python3 >= 3.10):
 
-  apply.py apply --dist speculators [--site DIR] [--record FILE] [--python EXE] [--dry-run]
-  apply.py status --dist speculators [--site DIR]
+  apply.py apply --dist speculators [--site DIR] [--record FILE] [--python EXE] [--dry-run] [--exclude-tag TAG]
+  apply.py status --dist speculators [--site DIR] [--exclude-tag TAG]
   apply.py check --dist speculators --version 0.9.0 [--wheel PATH]
   apply.py check --all
   apply.py hash --dist speculators --version 0.9.0
@@ -117,22 +119,40 @@ def _no_series_error(dist: str, version: str, root: Path | None = None) -> Patch
     )
 
 
-def read_series(dist: str, version: str, root: Path | None = None) -> list[Path]:
-    """Patch paths of a series, in order. Raises PatchError(exit 2) if absent."""
+# Tags a series line may carry after the patch file name. "cpu-only": needed only where vLLM runs
+# on CPU; images for GPUs leave such patches out (apply --exclude-tag cpu-only).
+KNOWN_TAGS = frozenset({"cpu-only"})
+
+
+def read_series_entries(dist: str, version: str, root: Path | None = None) -> list[tuple[Path, frozenset[str]]]:
+    """(patch path, tags) of a series, in order. Raises PatchError(exit 2) if absent."""
     sdir = series_dir(dist, version, root)
     sfile = sdir / "series"
     if not sfile.is_file():
         raise _no_series_error(dist, version, root)
-    patches = []
+    entries = []
     for lineno, raw in enumerate(sfile.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        p = sdir / line
-        if "/" in line or not p.is_file():
-            raise PatchError(f"{sfile}:{lineno}: patch file {line!r} not found next to the series file")
-        patches.append(p)
-    return patches
+        name, *tags = line.split()
+        p = sdir / name
+        if "/" in name or not p.is_file():
+            raise PatchError(f"{sfile}:{lineno}: patch file {name!r} not found next to the series file")
+        unknown = sorted(set(tags) - KNOWN_TAGS)
+        if unknown:
+            raise PatchError(f"{sfile}:{lineno}: unknown tag(s) {unknown} (known: {sorted(KNOWN_TAGS)})")
+        entries.append((p, frozenset(tags)))
+    return entries
+
+
+def read_series(dist: str, version: str, root: Path | None = None, exclude_tags=()) -> list[Path]:
+    """Patch paths of a series, in order, without those carrying a tag in exclude_tags.
+    Raises PatchError(exit 2) if absent."""
+    unknown = sorted(set(exclude_tags) - KNOWN_TAGS)
+    if unknown:
+        raise PatchError(f"unknown tag(s) {unknown} (known: {sorted(KNOWN_TAGS)})", EXIT_NO_SERIES)
+    return [p for p, tags in read_series_entries(dist, version, root) if not tags & set(exclude_tags)]
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -311,6 +331,7 @@ class SeriesResult:
     files: dict[str, str] = field(default_factory=dict)
     ok: bool = True
     error: str = ""
+    excluded: list[str] = field(default_factory=list)  # left out by exclude_tags
 
     def record(self) -> dict:
         return {
@@ -319,6 +340,7 @@ class SeriesResult:
             "series_sha256": self.series_sha256,
             "patches": [{"name": p.name, "sha256": p.sha256, "status": p.status} for p in self.patches],
             "files": dict(sorted(self.files.items())),
+            **({"excluded": list(self.excluded)} if self.excluded else {}),
         }
 
     def summary(self) -> str:
@@ -335,15 +357,16 @@ class SeriesResult:
             state = f"was PARTIALLY applied ({n_already} already-applied), now completed ({n_app} applied)"
         else:
             state = f"{n_app} applied"
-        return f"OK {head}: {len(self.patches)} patches, {state}"
+        left_out = f", {len(self.excluded)} excluded by tag" if self.excluded else ""
+        return f"OK {head}: {len(self.patches)} patches, {state}{left_out}"
 
 
 def series_status(dist: str, site: str | os.PathLike | None = None, version: str | None = None,
-                  root: Path | None = None) -> list[tuple[str, str, str]]:
+                  root: Path | None = None, exclude_tags=()) -> list[tuple[str, str, str]]:
     """Per-patch (name, state, git message) of the series against the tree as-is,
-    each patch judged independently (patch_state)."""
+    each patch judged independently (patch_state); patches with an excluded tag are left out."""
     site_p, inst_version = find_installed(dist, site) if version is None else (Path(site).resolve(), version)
-    patches = read_series(dist, inst_version, root)
+    patches = read_series(dist, inst_version, root, exclude_tags)
     return [(p.name, *patch_state(site_p, p)) for p in patches]
 
 
@@ -442,12 +465,13 @@ def _guess_python(site: Path) -> str | None:
 
 def apply_series(dist: str, site: str | os.PathLike | None = None, *, version: str | None = None,
                  root: Path | None = None, python: str | None = None, dry_run: bool = False,
-                 compile_pyc: bool = True) -> SeriesResult:
+                 compile_pyc: bool = True, exclude_tags=()) -> SeriesResult:
     """Apply patches/<dist>/<installed version>/series to the installed files.
 
     All-or-nothing: the series is first run on a scratch copy of the touched
     files; the site dir is only changed if every patch applies or is already
     applied. Raises PatchError(exit 2) when no series exists for the version.
+    Patches tagged with one of exclude_tags are left out (listed in .excluded).
     Returns a SeriesResult (ok=False with per-patch statuses on failure).
     """
     if version is None:
@@ -456,8 +480,9 @@ def apply_series(dist: str, site: str | os.PathLike | None = None, *, version: s
         if site is None:
             raise PatchError("version given without site")
         site_p = Path(site).resolve()
-    patches = read_series(dist, version, root)
+    patches = read_series(dist, version, root, exclude_tags)
     res = SeriesResult(dist, version, site_p, series_sha256(dist, version, root))
+    res.excluded = [p.name for p in read_series(dist, version, root) if p not in patches]
     rels = series_files(patches)
     missing = [r for r in rels if not (site_p / r).is_file()]
     if missing:
@@ -572,6 +597,16 @@ def check_series(dist: str, version: str, wheel: str | None = None, root: Path |
             for p in again.patches:
                 out(f"       {p.name}: {p.status}")
             return False
+        tags = sorted({t for _, ts in read_series_entries(dist, version, root) for t in ts})
+        for tag in tags:  # e.g. GPU images apply the series without its cpu-only patches
+            site2 = Path(tmp) / f"site-without-{tag}"
+            with zipfile.ZipFile(whl) as zf:
+                zf.extractall(site2)
+            res2 = apply_series(dist, site2, root=root, compile_pyc=False, exclude_tags=[tag])
+            if not res2.ok:
+                out(f"  FAIL: without the '{tag}' patches the series does not apply: {res2.error.splitlines()[0]}")
+                return False
+            out(f"  OK   without the '{tag}' patches ({', '.join(res2.excluded)}): {len(res2.patches)} patches apply")
         for rel, digest in sorted(res.files.items()):
             out(f"  file {rel} sha256 {digest}")
         out(f"  series_sha256 {res.series_sha256}")
@@ -585,7 +620,7 @@ def check_series(dist: str, version: str, wheel: str | None = None, root: Path |
 
 
 def _cmd_apply(a: argparse.Namespace) -> int:
-    res = apply_series(a.dist, a.site, python=a.python, dry_run=a.dry_run)
+    res = apply_series(a.dist, a.site, python=a.python, dry_run=a.dry_run, exclude_tags=a.exclude_tag)
     for p in res.patches:
         print(f"  {p.name}: {p.status}")
     if not res.ok:
@@ -601,7 +636,7 @@ def _cmd_apply(a: argparse.Namespace) -> int:
 
 def _cmd_status(a: argparse.Namespace) -> int:
     site_p, version = find_installed(a.dist, a.site)
-    states = series_status(a.dist, site_p, version=version)
+    states = series_status(a.dist, site_p, version=version, exclude_tags=a.exclude_tag)
     print(f"{a.dist}=={version} at {site_p}")
     print(_describe_states(states))
     for name, st, msg in states:
@@ -648,11 +683,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", help="interpreter used to byte-compile patched files "
                    "(default: <venv>/bin/pythonX.Y guessed from --site, else this one)")
     p.add_argument("--dry-run", action="store_true", help="only apply to a scratch copy and report")
+    p.add_argument("--exclude-tag", action="append", default=[], metavar="TAG",
+                   help="leave out the patches tagged TAG in the series (GPU images: cpu-only)")
     p.set_defaults(fn=_cmd_apply)
 
     p = sub.add_parser("status", help="report per patch: applied / pending / conflict")
     p.add_argument("--dist", required=True)
     p.add_argument("--site")
+    p.add_argument("--exclude-tag", action="append", default=[], metavar="TAG")
     p.set_defaults(fn=_cmd_status)
 
     p = sub.add_parser("check", help="apply the series to the pristine wheel (patch-check)")

@@ -334,3 +334,68 @@ def test_series_sha256_api_matches_cli_and_definition():
     assert ap.series_sha256(DIST, VERSION) == h.hexdigest()
     proc = run_apply("hash", "--dist", DIST, "--version", VERSION)
     assert proc.returncode == 0 and proc.stdout.strip() == h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# series tags: `name.patch cpu-only` in a series; apply --exclude-tag leaves them out
+# ---------------------------------------------------------------------------
+
+
+def _demo_series(work: Path, series_text: str) -> tuple[Path, Path]:
+    """A tiny distribution 'demo' 1.0 in work/site and a patch root with two patches."""
+    site = work / "site"
+    (site / "demo").mkdir(parents=True)
+    di = site / "demo-1.0.dist-info"
+    di.mkdir()
+    (di / "METADATA").write_text("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n")
+    body = "".join(f"line {i}\n" for i in range(20))
+    (site / "demo" / "a.py").write_text(body)
+    root = work / "patches"
+    sdir = root / "demo" / "1.0"
+    sdir.mkdir(parents=True)
+    stage = work / "stage"
+    for name, old, new in (("0001-cpu.patch", "line 2\n", "line 2 cpu\n"), ("0002-all.patch", "line 15\n", "line 15 all\n")):
+        (stage / "a" / "demo").mkdir(parents=True, exist_ok=True)
+        (stage / "b" / "demo").mkdir(parents=True, exist_ok=True)
+        (stage / "a" / "demo" / "a.py").write_text(body)
+        (stage / "b" / "demo" / "a.py").write_text(body.replace(old, new))
+        diff = subprocess.run(["git", "diff", "--no-index", "--no-prefix", "a/demo/a.py", "b/demo/a.py"],
+                              cwd=stage, capture_output=True, text=True, check=False).stdout
+        (sdir / name).write_text(f"Subject: {name}\n\n" + diff)
+    (sdir / "series").write_text(series_text)
+    return site, root
+
+
+def test_tagged_patches_can_be_excluded(work):
+    site, root = _demo_series(work, "# demo\n0001-cpu.patch cpu-only\n0002-all.patch\n")
+    assert [p.name for p in ap.read_series("demo", "1.0", root)] == ["0001-cpu.patch", "0002-all.patch"]
+    assert [p.name for p in ap.read_series("demo", "1.0", root, exclude_tags=["cpu-only"])] == ["0002-all.patch"]
+
+    res = ap.apply_series("demo", site, root=root, exclude_tags=["cpu-only"], compile_pyc=False)
+    assert res.ok, res.error
+    assert [p.name for p in res.patches] == ["0002-all.patch"] and res.excluded == ["0001-cpu.patch"]
+    assert res.record()["excluded"] == ["0001-cpu.patch"] and "1 excluded by tag" in res.summary()
+    text = (site / "demo" / "a.py").read_text()
+    assert "line 15 all\n" in text and "line 2 cpu\n" not in text
+    assert dict((n, s) for n, s, _ in ap.series_status("demo", site, root=root)) == {
+        "0001-cpu.patch": "pending", "0002-all.patch": "applied"}
+    assert [s for _, s, _ in ap.series_status("demo", site, root=root, exclude_tags=["cpu-only"])] == ["applied"]
+
+    # without exclusion the rest of the series is completed; the series hash covers every patch
+    res = ap.apply_series("demo", site, root=root, compile_pyc=False)
+    assert res.ok and [p.status for p in res.patches] == ["applied", "already-applied"] and not res.excluded
+    assert "line 2 cpu\n" in (site / "demo" / "a.py").read_text()
+    assert ap.series_sha256("demo", "1.0", root) == hashlib.sha256(
+        b"".join((root / "demo" / "1.0" / f).read_bytes() for f in ("series", "0001-cpu.patch", "0002-all.patch"))).hexdigest()
+
+
+def test_unknown_series_tag_is_an_error(work):
+    _, root = _demo_series(work, "0001-cpu.patch cpu_only\n0002-all.patch\n")
+    with pytest.raises(ap.PatchError) as ei:
+        ap.read_series("demo", "1.0", root)
+    assert "cpu_only" in str(ei.value) and "cpu-only" in str(ei.value)
+    with pytest.raises(ap.PatchError) as ei:
+        ap.read_series(DIST, VERSION, exclude_tags=["gpu-only"])
+    assert ei.value.code == 2
+    proc = run_apply("status", "--dist", DIST, "--exclude-tag", "nonsense")
+    assert proc.returncode == 2 and "nonsense" in proc.stderr
