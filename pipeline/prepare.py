@@ -49,6 +49,7 @@ def run(cfg: Config, out: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
     if not tok.chat_template:
         raise StepError(f"{cfg.model_path}: the tokenizer has no chat template; training data needs one")
+    n_selected = len(selected)
     regen = regenerate(cfg, tok, selected) if cfg.data.regenerate != "off" else {}
 
     rows = {"train": [], "eval": []}
@@ -85,7 +86,7 @@ def run(cfg: Config, out: Path) -> dict:
             "dropped": report.dropped,
             "usable_conversations": report.kept,
             "mtbench_near_duplicates_removed": len(contaminated),
-            "selected": len(selected),
+            "selected": n_selected,
             "regenerate": cfg.data.regenerate,
             "temperature": cfg.data.temperature,
             **regen,
@@ -108,14 +109,23 @@ def _features():
 
 def regenerate(cfg: Config, tok, selected: list[dict]) -> dict:
     """Replace assistant turns with the target's own answers (in place), round by round."""
-    from .engines.vllm_offline import generate, make_llm
-
     budget = cfg.model.max_model_len - cfg.data.max_new_tokens
-    llm = make_llm(
-        cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=cfg.run.seed,
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
-    stats = {"regenerated_turns": 0, "truncated_at_max_new_tokens": 0, "turns_dropped_prompt_too_long": 0}
+    if cfg.data.engine == "hf":
+        from .engines import hf_engine
+
+        llm = None
+
+        def generate(_llm, prompts, **kw):
+            return hf_engine.generate(cfg.model_path, prompts, dtype=cfg.model.dtype, batch_size=cfg.data.batch_size,
+                                      trust_remote_code=cfg.model.trust_remote_code, **kw)
+    else:
+        from .engines.vllm_offline import generate, make_llm
+
+        llm = make_llm(
+            cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=cfg.run.seed,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    stats = {"engine": cfg.data.engine, "regenerated_turns": 0, "truncated_at_max_new_tokens": 0, "turns_dropped_prompt_too_long": 0}
     # Conversations keep only the turns that were regenerated; later original turns are dropped
     # once an earlier answer changed (they would answer a different conversation).
     pending = {c["id"]: c for c in selected}

@@ -38,13 +38,17 @@ def run(cfg: Config, out: Path) -> dict:
         ds = load_from_disk(str(cfg.step_dir("prepare") / split))
         for i, ids in enumerate(ds["input_ids"]):
             files.append((src / split / file_name(i), list(map(int, ids))))
+    broken = set()
     for path, ids in tqdm(files, desc="verify files", unit="file"):
-        problems += [f"{path.relative_to(src)}: {p}" for p in check_file(path, ids, len(layer_ids), hidden, cfg.model.dtype)]
+        found = check_file(path, ids, len(layer_ids), hidden, cfg.model.dtype)
+        problems += [f"{path.relative_to(src)}: {p}" for p in found]
+        if found:
+            broken.add(path)
 
     rng = random.Random(cfg.run.seed)
     k = cfg.verify.parity_samples
     sample = files if k <= 0 or k >= len(files) else rng.sample(files, k)
-    sample = [f for f in sample if f[0].exists()]
+    sample = [f for f in sample if f[0] not in broken]  # already failed; parity needs a readable file
     from .engines.hf_reference import hidden_states, load_model
 
     model = load_model(cfg.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
@@ -53,8 +57,6 @@ def run(cfg: Config, out: Path) -> dict:
     for path, ids in tqdm(sample, desc="parity vs transformers", unit="file"):
         with safe_open(str(path), "pt") as f:
             got = f.get_tensor("hidden_states").float()
-        if list(got.shape) != [len(ids), len(layer_ids), hidden]:
-            continue  # already reported above
         ref = hidden_states(model, ids, layer_ids).float()
         cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)  # [T, L]
         row = {"file": str(path.relative_to(src)), "tokens": len(ids)}

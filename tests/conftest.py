@@ -5,6 +5,8 @@ import os
 import sys
 from pathlib import Path
 
+import shutil
+
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -13,6 +15,9 @@ sys.path.insert(0, str(REPO))
 from pipeline.env import setup_env  # noqa: E402
 
 setup_env()
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.steps import run  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +62,44 @@ def smollm2(repo) -> Path:
     cfg = Config()
     convert_smollm2(cfg, cfg.model_path)
     return cfg.model_path
+
+
+# Non-default layer ids (vLLM's default for 30 layers is 2, 15, 27 + 30), so the tests can tell
+# whether every stage uses the extraction's ids rather than a default.
+LAYER_IDS = [4, 14, 26, 30]
+SMALL = dict(
+    data={"max_conversations": 24, "eval_fraction": 0.25, "max_new_tokens": 64, "seq_length": 512},
+    model={"max_model_len": 1024},
+    extract={"layer_ids": LAYER_IDS},
+    vocab={"draft_vocab_size": 2048},
+    train={"epochs": 8, "total_seq_len": 1024},
+    eval={"max_prompts": 8, "max_tokens": 48},
+)
+
+
+@pytest.fixture(scope="session")
+def runs_dir():
+    d = REPO / ".cache" / "test-runs"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def data_run(smollm2, runs_dir):
+    """The data half of the pipeline on 24 conversations; the config and its step manifests."""
+    cfg = load_config(write_config(runs_dir / "data.toml", runs_dir, "data", **SMALL))
+    for step in ("model", "prepare", "extract", "verify"):
+        run(cfg, step)
+    return cfg
+
+
+def clone_run(cfg, name: str, runs_dir, **sections):
+    """A copy of a run under another name (same inputs), to break without touching the original."""
+    shutil.copytree(cfg.run_dir, runs_dir / name, symlinks=True)
+    merged = {k: dict(v) for k, v in SMALL.items()}
+    for k, v in sections.items():
+        merged.setdefault(k, {}).update(v)
+    return load_config(write_config(runs_dir / f"{name}.toml", runs_dir, name, **merged))
+
+

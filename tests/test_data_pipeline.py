@@ -19,44 +19,14 @@ from pipeline.config import load_config
 from pipeline.hidden_states import file_name
 from pipeline.manifest import StepError, read_manifest
 from pipeline.steps import run
-from tests.conftest import REPO, write_config
-
-SMALL = dict(
-    data={"max_conversations": 24, "eval_fraction": 0.25, "max_new_tokens": 64, "seq_length": 512},
-    model={"max_model_len": 1024},
-)
-
-
-@pytest.fixture(scope="session")
-def runs_dir():
-    d = REPO / ".cache" / "test-runs"
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    return d
-
-
-@pytest.fixture(scope="session")
-def data_run(smollm2, runs_dir):
-    """The data half of the pipeline on 24 conversations; the config and its step manifests."""
-    cfg = load_config(write_config(runs_dir / "data.toml", runs_dir, "data", **SMALL))
-    for step in ("model", "prepare", "extract", "verify"):
-        run(cfg, step)
-    return cfg
-
-
-def clone_run(cfg, name: str, runs_dir, **sections):
-    """A copy of a run under another name (same inputs), to break without touching the original."""
-    shutil.copytree(cfg.run_dir, runs_dir / name, symlinks=True)
-    merged = {k: dict(v) for k, v in SMALL.items()}
-    for k, v in sections.items():
-        merged.setdefault(k, {}).update(v)
-    return load_config(write_config(runs_dir / f"{name}.toml", runs_dir, name, **merged))
-
+from tests.conftest import LAYER_IDS, REPO, SMALL, clone_run, write_config
 
 def test_prepare_recovers_regenerates_and_masks(data_run):
     s = read_manifest(data_run.step_dir("prepare"))["summary"]
     assert s["records_recovered"] == 17671 and s["bytes_skipped_at_truncated_end"] > 0
+    assert s["selected"] == 24
     assert s["regenerated_turns"] == s["selected"] - s["turns_dropped_prompt_too_long"]
+    assert s["train_samples"] + s["eval_samples"] == s["regenerated_turns"] - sum(s["rejected_at_tokenization"].values())
     assert s["train_samples"] > 0 and s["eval_samples"] > 0
     assert 0 < s["assistant_tokens"] < s["tokens"]
     from datasets import load_from_disk
@@ -65,29 +35,14 @@ def test_prepare_recovers_regenerates_and_masks(data_run):
     assert all(len(i) == len(m) == n for i, m, n in zip(ds["input_ids"], ds["loss_mask"], ds["seq_len"]))
 
 
-def test_vllm_greedy_equals_transformers_greedy(data_run, smollm2):
-    """The regenerated answers (vLLM, greedy) are what transformers generates greedily."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2)
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16)
-    convs = [json.loads(line) for line in (data_run.step_dir("prepare") / "conversations.jsonl").read_text().splitlines()]
-    for conv in convs[:3]:
-        msgs = conv["messages"]
-        prompt = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        out = model.generate(**prompt, max_new_tokens=data_run.data.max_new_tokens, do_sample=False)
-        text = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-        assert text == msgs[-1]["content"]
-
-
 def test_extract_writes_every_sample_with_its_layer_ids(data_run):
     m = read_manifest(data_run.step_dir("extract"))
     s = m["summary"]
-    assert s["layer_ids"] == [2, 15, 27, 30] and s["layer_id_convention"] == "vllm"
+    assert s["layer_ids"] == LAYER_IDS and s["layer_id_convention"] == "vllm"
     assert s["samples"] == s["extracted_now"] > 0
     assert s["bytes_per_token"] == pytest.approx(4 * 576 * 2, rel=0.01)
     meta = json.loads((data_run.step_dir("extract") / "hidden_states.json").read_text())
-    assert meta["layer_ids"] == [2, 15, 27, 30]
+    assert meta["layer_ids"] == LAYER_IDS
     for key in ("packages", "patch_series_sha256", "git", "config_sha256", "inputs", "seconds"):
         assert key in m
 
@@ -121,7 +76,7 @@ def test_verify_fails_on_bad_files(data_run, runs_dir, kind):
 
         model = load_model(cfg.model_path)
         ids = load_file(str(path))["token_ids"].tolist()
-        shifted = hidden_states(model, ids, [3, 16, 28, 30]).to(torch.bfloat16)
+        shifted = hidden_states(model, ids, [i + 1 for i in LAYER_IDS[:-1]] + [30]).to(torch.bfloat16)
         _rewrite(path, lambda d: d.__setitem__("hidden_states", shifted))
     elif kind == "token_ids":
         _rewrite(path, lambda d: d["token_ids"].__setitem__(5, d["token_ids"][5] + 1))
@@ -136,7 +91,7 @@ def test_verify_fails_on_bad_files(data_run, runs_dir, kind):
     assert expected[kind] in msg
     assert read_manifest(cfg.step_dir("verify")) is None  # a failed verify never looks complete
     if kind == "shifted_layer":  # the shift is seen on the three aux layers, not on the final state
-        assert "layer id 2 " in msg and "layer id 15 " in msg and "layer id 30 " not in msg
+        assert all(f"layer id {i} " in msg for i in LAYER_IDS[:-1]) and "layer id 30 " not in msg
 
 
 def test_interrupted_extraction_resumes_without_loss_or_duplicates(data_run, runs_dir):
