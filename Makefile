@@ -104,9 +104,9 @@ ifeq ($(RUNNER),docker)
 	$(docker_checks)
 	@$(image_present)
 	rc=0; $(COMPOSE) up --abort-on-container-failure --exit-code-from report || rc=$$?; \
-	  $(COMPOSE) ps --all --format 'table {{.Service}}\t{{.Status}}' || true; \
+	  states=$$($(COMPOSE) ps --all --format '{{.Service}} {{.ExitCode}} {{.State}}' || true); \
 	  $(COMPOSE) down --remove-orphans || true; \
-	  echo "make full: exit $$rc"; exit $$rc
+	  rc=$$(docker/step-exit-code.sh "$$rc" "$$states" $(STEPS)); exit $$rc
 else
 	$(PY) -m pipeline all --config $(CONFIG) $(ARGS)
 endif

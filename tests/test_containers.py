@@ -493,8 +493,22 @@ def test_full_runs_the_chain_and_always_downs():
     out = ok("full", "RUNNER=docker", "MACHINE=b300", KIMI_B300)
     compose = "docker compose -f compose.yaml -f docker/machines/b300.yaml"
     assert f"{compose} up --abort-on-container-failure --exit-code-from report || rc=$?" in out, out
+    assert f"{compose} ps --all --format '{{{{.Service}}}} {{{{.ExitCode}}}} {{{{.State}}}}'" in out
     assert f"{compose} down --remove-orphans || true" in out and "exit $rc" in out
-    assert out.index(" up ") < out.index(" down ")
+    assert f'docker/step-exit-code.sh "$rc" "$states" {" ".join(STEPS)}' in out
+    assert out.index(" up ") < out.index(" ps ") < out.index(" down ")
+
+
+@pytest.mark.parametrize("up_status,states,want", [
+    (0, "\n".join(f"{s} 0 exited" for s in STEPS), "0"),
+    (0, "model 0 exited\nprepare 0 exited\nextract 3 exited\nverify 137 exited", "3"),  # first failure wins
+    (0, "model 0 exited\nprepare 0 exited", "1"),  # compose said 0 but the chain stopped early
+    (5, "", "5"),
+])
+def test_full_exit_status_comes_from_the_step_containers(up_status, states, want):
+    proc = subprocess.run([str(REPO / "docker" / "step-exit-code.sh"), str(up_status), states, *STEPS],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip() == want, proc.stdout + proc.stderr
     assert ok("full", "RUNNER=local").endswith(".venv/bin/python -m pipeline all --config configs/smollm2-cpu.toml \n")
 
 
