@@ -12,9 +12,9 @@ SHELL := /bin/bash
 MAKEFLAGS += --no-builtin-rules --warn-undefined-variables
 
 CONFIG ?= configs/smollm2-cpu.toml
-# The stack the config names ([run] stack = "..."); STACK defaults to it.
+# The stack the config names ([run] stack = "..."): the default STACK under RUNNER=docker.
 CONFIG_STACK := $(shell sed -n 's/^[[:space:]]*stack[[:space:]]*=[[:space:]]*"\([^"]*\)".*/\1/p' '$(CONFIG)' 2>/dev/null | head -n 1)
-STACK ?= $(or $(CONFIG_STACK),vllm-0.32)
+DEFAULT_STACK := vllm-0.32
 VENV ?= .venv
 PY := $(VENV)/bin/python
 HOST_PYTHON ?= python3
@@ -27,6 +27,13 @@ RUNNER := $(shell command -v docker >/dev/null 2>&1 && timeout 10 docker info >/
 endif
 ifeq ($(filter $(RUNNER),docker local),)
 $(error RUNNER=$(RUNNER): expected docker or local)
+endif
+# Locally the venv's stack (.venv = vllm-0.32; other stacks live in their own venv, see setup); in containers
+# the config's own stack unless STACK= says otherwise.
+ifeq ($(RUNNER),docker)
+STACK ?= $(or $(CONFIG_STACK),$(DEFAULT_STACK))
+else
+STACK ?= $(DEFAULT_STACK)
 endif
 
 # ---- containers: stacks (docker/stacks/<stack>.env), machines (docker/machines/<machine>.yaml), images
@@ -63,7 +70,7 @@ IMAGE_BUILD_ARGS := STACK VLLM_VERSION GPU_TORCH_VERSION SPECULATORS_VERSION SPE
 check_stack = $(if $(wildcard $(STACK_FILE)),,$(error STACK=$(STACK) is unknown: no $(STACK_FILE) (stacks: $(STACKS))))
 check_machine = $(if $(MACHINE),,$(error RUNNER=docker needs MACHINE=<one of: $(MACHINES)>: docker/machines/<machine>.yaml places the GPUs and sets NCCL))$(if $(wildcard $(MACHINE_FILE)),,$(error MACHINE=$(MACHINE) is unknown: no $(MACHINE_FILE) (machines: $(MACHINES))))$(if $(MACHINE_ARCH),,$(error $(MACHINE_FILE) has no x-gpu-arch: line))
 check_arch = $(if $(filter $(MACHINE_ARCH),$(call stack_archs,$(STACK))),,$(error stack $(STACK) cannot run on MACHINE=$(MACHINE): its GPUs are $(MACHINE_ARCH) and the stack's vLLM/torch binaries have no $(MACHINE_ARCH) kernels (GPU_ARCHS=$(call stack_get,GPU_ARCHS,$(STACK)) in $(STACK_FILE): $(call stack_get,GPU_ARCHS_WHY,$(STACK))). Use STACK=$(or $(call covering_stacks,$(MACHINE_ARCH)),<none covers $(MACHINE_ARCH)>) with a config whose [run] stack matches))
-check_config = $(if $(filter configs/%,$(CONFIG)),,$(error RUNNER=docker needs CONFIG=configs/<name>.toml (configs/ is what the containers mount): got $(CONFIG)))$(if $(wildcard $(CONFIG)),,$(error CONFIG=$(CONFIG) does not exist))$(if $(filter $(STACK),$(or $(CONFIG_STACK),vllm-0.32)),,$(error $(CONFIG) says [run] stack = "$(CONFIG_STACK)" but STACK=$(STACK): a config runs in its own stack's image (drop STACK= or change the config)))
+check_config = $(if $(filter configs/%,$(CONFIG)),,$(error RUNNER=docker needs CONFIG=configs/<name>.toml (configs/ is what the containers mount): got $(CONFIG)))$(if $(wildcard $(CONFIG)),,$(error CONFIG=$(CONFIG) does not exist))$(if $(filter $(STACK),$(or $(CONFIG_STACK),$(DEFAULT_STACK))),,$(warning note: $(CONFIG) says [run] stack = "$(CONFIG_STACK)"; running it in the STACK=$(STACK) image as asked))
 docker_checks = $(check_stack)$(check_machine)$(check_arch)$(check_config)
 check_series = $(if $(wildcard patches/speculators/$(SPECULATORS_VERSION)/series),,$(error stack $(STACK) needs patches/speculators/$(SPECULATORS_VERSION)/series and there is none: the image build applies the series and fails without one (patches/README.md says how to write it)))
 check_lock = $(if $(VLLM_IMAGE_TAG),,$(error $(STACK_FILE) has no VLLM_IMAGE=))$(if $(filter true,$(BASE_PINNED))$(filter 1,$(ALLOW_UNPINNED)),,$(error refusing to build $(IMAGE): $(LOCK_FILE) has no digest for $(VLLM_IMAGE_TAG) ($(or $(LOCKED_DIGEST),no entry)). Run `make lock-images` on a host with network and docker buildx (docker buildx imagetools inspect)$(comma) commit $(LOCK_FILE)$(comma) and build again; or set ALLOW_UNPINNED=1 to build from the unpinned tag (not reproducible; the image is labelled base-pinned=false)))

@@ -473,17 +473,23 @@ def test_arch_refusal_names_the_missing_arch_and_the_stack_that_has_it():
     assert "sm_103" in err, err
 
 
-def test_covered_machine_passes_the_arch_check():
+def test_stack_follows_the_config_in_containers_and_the_arch_check_passes_covered_machines():
     # the dev box (sm_120) is covered by both stacks; CONFIG_STACK stands in for a vllm-0.16 config
-    out = ok("extract", "STACK=vllm-0.16", "MACHINE=devbox-rtxpro6000", "RUNNER=docker", KIMI_DEV, "CONFIG_STACK=vllm-0.16")
-    assert "eagle3-factory:vllm-0.16" in out and "docker/machines/devbox-rtxpro6000.yaml run --rm --no-deps extract" in out
+    proc = make("extract", "MACHINE=devbox-rtxpro6000", "RUNNER=docker", KIMI_DEV, "CONFIG_STACK=vllm-0.16")
+    assert proc.returncode == 0 and "note:" not in proc.stderr, proc.stderr
+    assert "eagle3-factory:vllm-0.16" in proc.stdout
+    assert "docker/machines/devbox-rtxpro6000.yaml run --rm --no-deps extract" in proc.stdout
+    # locally STACK stays the main venv's whatever the config says (other stacks have their own venv)
+    assert ok("extract", "RUNNER=local", "CONFIG_STACK=vllm-0.16").startswith("docker/setup-venv.sh vllm-0.32 .venv\n")
 
 
 def test_other_docker_refusals():
     assert "MACHINE=<one of: b300 devbox-rtxpro6000>" in refused("extract", "RUNNER=docker")
     assert "no docker/machines/nope.yaml" in refused("extract", "RUNNER=docker", "MACHINE=nope")
-    assert 'says [run] stack = "vllm-0.32" but STACK=vllm-0.16' in refused(
-        "extract", "RUNNER=docker", "MACHINE=devbox-rtxpro6000", "STACK=vllm-0.16", KIMI_DEV)
+    # a config may run a step in another stack's image (the legacy stack trains in vllm-0.32's): a note only
+    proc = make("extract", "RUNNER=docker", "MACHINE=devbox-rtxpro6000", "STACK=vllm-0.16", KIMI_DEV)
+    assert proc.returncode == 0 and 'says [run] stack = "vllm-0.32"; running it in the STACK=vllm-0.16' in proc.stderr
+    assert "eagle3-factory:vllm-0.16" in proc.stdout
     assert "CONFIG=configs/<name>.toml" in refused("extract", "RUNNER=docker", "MACHINE=b300", "CONFIG=/abs/x.toml")
     assert "STACK=nope is unknown" in refused("image", "STACK=nope")
     assert "expected docker or local" in refused("help", "RUNNER=podman")
