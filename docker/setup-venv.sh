@@ -17,6 +17,13 @@ mkdir -p "$TMPDIR" "$ROOT/data/packages"
 
 stamp_inputs() { cat "$0" "$ENV_FILE" "$ROOT/docker/requirements-tools.txt"; find "$ROOT/patches/speculators/$SPECULATORS_VERSION" -type f -print0 2>/dev/null | sort -z | xargs -0r cat; }
 STAMP="$VENV/.stack-$STACK"
+# One venv, one stack: never install a stack over another one (e.g. STACK=vllm-0.16 with VENV=.venv).
+for other in "$VENV"/.stack-*; do
+  if [ -e "$other" ] && [ "$other" != "$STAMP" ]; then
+    echo "setup: $VENV holds stack ${other##*/.stack-}; build $STACK in its own venv: docker/setup-venv.sh $STACK .venv-$STACK" >&2
+    exit 2
+  fi
+done
 WANT=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   echo "setup: $VENV is up to date for stack $STACK"; exit 0
