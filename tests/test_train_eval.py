@@ -117,8 +117,8 @@ def test_training_resumes_after_a_kill(trained_run, runs_dir):
     rows = [json.loads(line) for line in (cfg.step_dir("train") / "metrics.jsonl").read_text().splitlines()]
     assert {1, 2} <= {r["epoch"] for r in rows if "val" in r}
     steps = [r["global_step"] for r in rows if "train" in r]
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # first step of the rerun
-    assert steps[restart] > 0, "the rerun started from scratch instead of the epoch-0 checkpoint"
+    # Steps only go back where the killed run had logged part of an epoch the rerun redoes; never to 0.
+    assert steps[0] == 0 and 0 not in steps[1:], "the rerun started from scratch instead of the epoch-0 checkpoint"
 
 
 def test_train_refuses_layer_ids_that_disagree_with_the_extraction(trained_run, runs_dir):
