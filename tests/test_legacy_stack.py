@@ -55,7 +55,7 @@ PATCH = {p.name.split("-", 1)[0]: p for p in PATCHES}  # "0007" -> path
 UNIQUE_REPLY, PREFIX_CACHING, BUDGET_283, CONVENTION = "0007", "0006", "0009", "0010"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: requested first, it skips before data_run is built
 def legacy_py() -> Path:
     if not LEGACY_PY.exists():
         msg = (f"{LEGACY_VENV} is absent: build it with `docker/setup-venv.sh vllm-0.16 .venv-vllm-0.16` "
@@ -144,7 +144,7 @@ BUDGET = 1024  # per-step token budget in these tests (= max_model_len; the gene
 
 
 @pytest.fixture(scope="module")
-def legacy_run(data_run, runs_dir, legacy_py):
+def legacy_run(legacy_py, data_run, runs_dir):
     """data_run's prepared samples extracted on the vllm-0.16 stack, then verified (parity on every file)."""
     cfg = clone_run(data_run, "legacy", runs_dir, run={"stack": "vllm-0.16"}, verify={"parity_samples": 0})
     for step in ("extract", "verify", "vocab", "train", "eval", "report"):
@@ -200,7 +200,7 @@ def test_verify_passes_on_vllm016_with_shared_prefixes_and_over_budget_calls(leg
     assert common >= 16, common
 
 
-def test_layer_convention_patch_matters_parity_fails_without_it(data_run, runs_dir, legacy_py, scratch):
+def test_layer_convention_patch_matters_parity_fails_without_it(legacy_py, data_run, runs_dir, scratch):
     """Without 0010 the generator captures the OUTPUT of layer k: every id is one layer off."""
     ids = [4, 14, 26, N_LAYERS - 1]  # valid in both conventions
     cfg = clone_run(data_run, "legacy-no-convention", runs_dir, run={"stack": "vllm-0.16"},
@@ -217,7 +217,7 @@ def test_layer_convention_patch_matters_parity_fails_without_it(data_run, runs_d
         assert f"layer id {lid} mean cosine" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_partially_patched_package_is_refused(data_run, runs_dir, legacy_py, scratch):
+def test_partially_patched_package_is_refused(legacy_py, data_run, runs_dir, scratch):
     cfg = clone_run(data_run, "legacy-refused", runs_dir, run={"stack": "vllm-0.16"})
     shutil.rmtree(cfg.step_dir("extract"), ignore_errors=True)
     proc = run_step(legacy_py, "extract", cfg, legacy_env(series_minus(scratch, UNIQUE_REPLY)))
