@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .chat import TemplateError, tokenize_conversation
+from .chat import REASONING_MODES, TemplateError, tokenize_conversation
 from .config import Config
 from .datasets import load_conversations, load_mtbench, near_duplicates
 from .manifest import StepError
@@ -50,6 +50,7 @@ def run(cfg: Config, out: Path) -> dict:
     if not tok.chat_template:
         raise StepError(f"{cfg.model_path}: the tokenizer has no chat template; training data needs one")
     n_selected = len(selected)
+    reasoning = reasoning_mode(cfg)
     regen = regenerate(cfg, tok, selected) if cfg.data.regenerate != "off" else {}
 
     rows = {"train": [], "eval": []}
@@ -57,7 +58,8 @@ def run(cfg: Config, out: Path) -> dict:
     with open(out / "conversations.jsonl", "w") as f:
         for c in selected:
             try:
-                t = tokenize_conversation(tok, c["messages"], cfg.data.seq_length)
+                t = tokenize_conversation(tok, c["messages"], cfg.data.seq_length, tools=c.get("tools"),
+                                          reasoning=reasoning)
             except TemplateError as e:
                 rejected[str(e)] = rejected.get(str(e), 0) + 1
                 continue
@@ -89,6 +91,8 @@ def run(cfg: Config, out: Path) -> dict:
             "selected": n_selected,
             "regenerate": cfg.data.regenerate,
             "temperature": cfg.data.temperature,
+            "trust_remote_code": cfg.model.trust_remote_code,
+            "reasoning": reasoning,
             **regen,
             "rejected_at_tokenization": rejected,
             "train_samples": len(rows["train"]),
@@ -97,6 +101,14 @@ def run(cfg: Config, out: Path) -> dict:
             "assistant_tokens": assistant,
         }
     }
+
+
+def reasoning_mode(cfg: Config) -> str:
+    """data.reasoning ("keep" | "drop" | "final_only"; keep when the config schema has no such key)."""
+    mode = getattr(cfg.data, "reasoning", "keep")
+    if mode not in REASONING_MODES:
+        raise StepError(f"data.reasoning = {mode!r}; expected one of {list(REASONING_MODES)}")
+    return mode
 
 
 def _features():
