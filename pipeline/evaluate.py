@@ -67,6 +67,18 @@ def check_checkpoint(path: Path, what: str) -> None:
         raise StepError(f"{what} checkpoint {path} is missing {missing}; run `make train` first")
 
 
+def check_precision(cfg: Config, extract_summary: dict) -> None:
+    """Refuse to evaluate on a target precision other than the one whose hidden states trained the draft
+    (e.g. INT4 Kimi-K2.5 vs a BF16 copy), unless eval.allow_precision_mismatch."""
+    data_precision = extract_summary.get("precision", cfg.model.precision)
+    if data_precision != cfg.model.precision and not cfg.eval.allow_precision_mismatch:
+        raise StepError(
+            f"the drafter was trained on hidden states of a '{data_precision}' target but eval would run a "
+            f"'{cfg.model.precision}' target; acceptance drops when precisions differ. Set "
+            f"eval.allow_precision_mismatch = true to evaluate anyway."
+        )
+
+
 def run(cfg: Config, out: Path) -> dict:
     from transformers import AutoTokenizer
 
@@ -74,13 +86,7 @@ def run(cfg: Config, out: Path) -> dict:
     trained = cfg.step_dir("train") / "checkpoint"
     untrained = cfg.step_dir("train") / "untrained"
     check_checkpoint(trained, "trained draft")
-    data_precision = require_manifest(cfg, "extract")["summary"].get("precision", cfg.model.precision)
-    if data_precision != cfg.model.precision and not cfg.eval.allow_precision_mismatch:
-        raise StepError(
-            f"the drafter was trained on hidden states of a '{data_precision}' target but eval would run a "
-            f"'{cfg.model.precision}' target; acceptance drops when precisions differ. Set "
-            f"eval.allow_precision_mismatch = true to evaluate anyway."
-        )
+    check_precision(cfg, require_manifest(cfg, "extract")["summary"])
     k = cfg.eval.num_speculative_tokens
     tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts = mtbench_prompts(cfg, tok)
