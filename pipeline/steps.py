@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 from .config import Config
-from .manifest import run_step
+from .manifest import StepError, run_step
 
 # name: (module with run(cfg, out), config sections, upstream steps, keep partial outputs for resume)
 STEPS = {
@@ -19,9 +19,15 @@ STEPS = {
 }
 
 
-def run(cfg: Config, step: str, force: bool = False) -> dict:
+# Steps whose work can be split over processes/nodes with --shard i/n.
+SHARDABLE = ("extract",)
+
+
+def run(cfg: Config, step: str, force: bool = False, shard: tuple[int, int] | None = None) -> dict:
     if step not in STEPS:
         raise NotImplementedError(f"step '{step}' is not implemented yet")
+    if shard is not None and step not in SHARDABLE:
+        raise StepError(f"--shard applies to {', '.join(SHARDABLE)} only, not '{step}'")
     module, sections, upstream, keep = STEPS[step]
     fn = importlib.import_module(f"pipeline.{module}").run
-    return run_step(cfg, step, fn, sections=sections, upstream=upstream, force=force, keep_partial=keep)
+    return run_step(cfg, step, fn, sections=sections, upstream=upstream, force=force, keep_partial=keep, shard=shard)

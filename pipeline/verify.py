@@ -31,19 +31,8 @@ def run(cfg: Config, out: Path) -> dict:
     src = cfg.step_dir("extract")
     extract_manifest = require_manifest(cfg, "extract")
     meta = json.loads((src / META).read_text())
-    layer_ids, hidden = meta["layer_ids"], meta["hidden_size"]
-    problems: list[str] = []
-    files: list[tuple[Path, list[int]]] = []
-    for split in SPLITS:
-        ds = load_from_disk(str(cfg.step_dir("prepare") / split))
-        for i, ids in enumerate(ds["input_ids"]):
-            files.append((src / split / file_name(i), list(map(int, ids))))
-    broken = set()
-    for path, ids in tqdm(files, desc="verify files", unit="file"):
-        found = check_file(path, ids, len(layer_ids), hidden, cfg.model.dtype)
-        problems += [f"{path.relative_to(src)}: {p}" for p in found]
-        if found:
-            broken.add(path)
+    layer_ids = meta["layer_ids"]
+    problems, files, broken = structural_problems(cfg)
 
     rng = random.Random(cfg.run.seed)
     k = cfg.verify.parity_samples
@@ -91,6 +80,64 @@ def run(cfg: Config, out: Path) -> dict:
             "threshold": cfg.verify.min_cosine,
         }
     }
+
+
+def structural_problems(cfg: Config) -> tuple[list[str], list[tuple[Path, list[int]]], set[Path]]:
+    """Coverage (every sample exactly once) and per-file checks; (problems, (file, ids) list, broken files)."""
+    from datasets import load_from_disk
+    from tqdm import tqdm
+
+    src = cfg.step_dir("extract")
+    meta = json.loads((src / META).read_text())
+    layer_ids, hidden = meta["layer_ids"], meta["hidden_size"]
+    files: list[tuple[Path, list[int]]] = []
+    expected = []
+    for split in SPLITS:
+        ds = load_from_disk(str(cfg.step_dir("prepare") / split))
+        for i, ids in enumerate(ds["input_ids"]):
+            files.append((src / split / file_name(i), list(map(int, ids))))
+            expected.append((split, i))
+    # "missing" is reported by the per-file check below
+    problems = [p for p in coverage_problems(src, expected) if not p.endswith(": missing")]
+    broken = set()
+    for path, ids in tqdm(files, desc="verify files", unit="file"):
+        found = check_file(path, ids, len(layer_ids), hidden, cfg.model.dtype)
+        problems += [f"{path.relative_to(src)}: {p}" for p in found]
+        if found:
+            broken.add(path)
+    return problems, files, broken
+
+
+def coverage_problems(src: Path, expected: list[tuple[str, int]]) -> list[str]:
+    """Every sample appears exactly once: no missing file, no stray file in the split folders, and, for a
+    sharded extraction, the shard fragments (shards/<i>-of-<n>.json) cover every sample exactly once."""
+    problems = []
+    want = {f"{split}/{file_name(i)}" for split, i in expected}
+    have = set()
+    for split in SPLITS:
+        d = src / split
+        if d.is_dir():
+            have |= {f"{split}/{p.name}" for p in d.iterdir()}
+    problems += [f"{f}: missing" for f in sorted(want - have)]
+    problems += [f"{f}: stray file (no prepared sample has this name; delete it or rerun extract)"
+                 for f in sorted(have - want)]
+    shards = sorted((src / "shards").glob("*.json")) if (src / "shards").is_dir() else []
+    if shards:
+        seen: dict[tuple[str, int], list[str]] = {}
+        counts = set()
+        for p in shards:
+            frag = json.loads(p.read_text())
+            counts.add(frag["shard"][1])
+            for split, i in frag["samples"]:
+                seen.setdefault((split, i), []).append(p.name)
+        if len(counts) > 1:
+            problems.append(f"shards/: fragments of different shard counts {sorted(counts)} (mixed --shard i/n runs)")
+        problems += [f"{split}/{file_name(i)}: claimed by several shards {names}"
+                     for (split, i), names in sorted(seen.items()) if len(names) > 1]
+        problems += [f"{split}/{file_name(i)}: in no shard fragment" for split, i in expected if (split, i) not in seen]
+        problems += [f"{split}/{file_name(i)}: in shard fragment(s) {names} but not a prepared sample"
+                     for (split, i), names in sorted(seen.items()) if (split, i) not in set(expected)]
+    return problems
 
 
 def check_file(path: Path, ids: list[int], num_ids: int, hidden: int, dtype: str) -> list[str]:

@@ -1,0 +1,245 @@
+"""Scale and reproducibility (issue 6): plan, disk refusal, sharded extraction + coverage checks, compare,
+determinism settings in manifests. Cheap: the extraction engine is replaced by a fake that writes correctly
+shaped files (pipeline.extract.extract_samples is the one engine entry point); the real-vLLM shard run is in
+test_data_pipeline.py."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline import extract as extract_mod
+from pipeline import plan as plan_mod
+from pipeline.config import load_config
+from pipeline.hidden_states import file_name
+from pipeline.manifest import StepError, read_manifest, write_json_atomic
+from pipeline.steps import run
+from pipeline.verify import coverage_problems, structural_problems
+from tests.conftest import REPO, write_config
+
+KIMI = json.loads((REPO / "configs" / "targets" / "kimi-k2.5.json").read_text())
+TINY = {"hidden_size": 8, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "intermediate_size": 16, "vocab_size": 50, "head_dim": 4}
+SPLIT_SIZES = {"train": 5, "eval": 2}
+
+
+# ---------------------------------------------------------------- a fake run (no engine, no weights)
+@pytest.fixture
+def fake_run(tmp_path_factory, monkeypatch):
+    root = REPO / ".cache" / "test-scale"
+    shutil.rmtree(root, ignore_errors=True)
+    model = root / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(TINY))
+    cfg = load_config(write_config(root / "fake.toml", root / "runs", "fake",
+                                   model={"source": "path", "path": str(model)},
+                                   extract={"layer_ids": [1, 2, 4]}))
+    (cfg.step_dir("model")).mkdir(parents=True)
+    write_json_atomic(cfg.step_dir("model") / "manifest.json", {"status": "complete", "outputs_hash": "m"})
+    from datasets import Dataset
+
+    tokens = 0
+    for split, n in SPLIT_SIZES.items():
+        rows = [[(7 * i + j) % 50 for j in range(3 + i)] for i in range(n)]
+        tokens += sum(map(len, rows))
+        Dataset.from_dict({"input_ids": rows}).save_to_disk(str(cfg.step_dir("prepare") / split))
+    write_json_atomic(cfg.step_dir("prepare") / "manifest.json", {
+        "status": "complete", "outputs_hash": "p",
+        "summary": {"train_samples": SPLIT_SIZES["train"], "eval_samples": SPLIT_SIZES["eval"], "tokens": tokens}})
+    calls = []
+
+    def fake_extract(cfg, todo, out, layer_ids, hidden, staging):
+        calls.append([(s, i) for s, i, _ in todo])
+        for split, i, ids in todo:
+            g = torch.Generator().manual_seed(hash((split, i)) % 2**31)
+            save_file({"hidden_states": torch.randn(len(ids), len(layer_ids), hidden, generator=g).to(torch.bfloat16),
+                       "token_ids": torch.tensor(ids, dtype=torch.int64)}, str(out / split / file_name(i)))
+        return {"tokens_extracted": sum(len(x[2]) for x in todo), "extract_s": 0.5, "server_start_s": 0.0}
+
+    monkeypatch.setattr(extract_mod, "extract_samples", fake_extract)
+    cfg.fake_calls = calls
+    yield cfg
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- plan
+def test_plan_draft_size_matches_speculators_checkpoint_shapes():
+    # Tensor shapes of a speculators 0.9.0 EAGLE-3 checkpoint for SmolLM2 (draft vocab 4096, ids [2,15,27,30]):
+    # embed [49152,576] fc [576,1728] input_norm [1728] 3 layer norms [576] mlp 3x[1536,576]
+    # q [576,1152] k,v [192,1152] o [576,576] lm_head [4096,576] norm [576]  -> 35,762,112 (read off runs/dev)
+    smol = json.loads((REPO / "data" / "models" / "SmolLM2-135M-Instruct" / "config.json").read_text()) \
+        if (REPO / "data/models/SmolLM2-135M-Instruct/config.json").exists() else {
+            "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152}
+    d = plan_mod.draft_size(plan_mod.target_shape(smol), 4, 4096)
+    assert d["total_params"] == 35_762_112
+    assert d["trainable_params"] == 35_762_112 - 49152 * 576
+
+
+def test_plan_matches_a_trained_checkpoint(trained_run):
+    from safetensors import safe_open
+
+    ckpt = trained_run.step_dir("train") / "checkpoint" / "model.safetensors"
+    with safe_open(str(ckpt), "pt") as f:
+        n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
+    conf = json.loads((trained_run.model_path / "config.json").read_text())
+    d = plan_mod.draft_size(plan_mod.target_shape(conf), len(trained_run.extract.layer_ids),
+                            trained_run.vocab.draft_vocab_size, trained_run.train.num_layers)
+    assert d["total_params"] == n
+    assert abs(d["checkpoint_bytes"] - ckpt.stat().st_size) < 0.001 * ckpt.stat().st_size
+
+
+def test_plan_kimi_numbers(repo):
+    cfg = load_config(repo / "configs" / "kimi-k2.5-devbox.toml")
+    p10 = plan_mod.plan(cfg, KIMI, conversations=10_000, tokens_per_sample=2048, free=10**15, tokens_per_s=None)
+    assert p10["target"]["layer_ids"] == [2, 30, 58, 61]
+    assert p10["bytes_per_token"] == 4 * 7168 * 2 + 8  # 56 KiB + token id
+    assert p10["tokens"] == 20_480_000
+    assert p10["hidden_state_bytes"] == 20_480_000 * 57_352 + 10_000 * plan_mod.HEADER_BYTES
+    assert p10["disk_sufficient"]  # 1.07 TiB on 909 TiB free
+    assert not plan_mod.plan(cfg, KIMI, conversations=10_000, tokens_per_sample=2048, free=2**40)["disk_sufficient"]
+    p100 = plan_mod.plan(cfg, KIMI, conversations=100_000, tokens_per_sample=2048, free=10 * 2**40, tokens_per_s=5000)
+    assert not p100["disk_sufficient"] and p100["extract_seconds_estimate"] == 204_800_000 / 5000
+    d = p10["draft"]
+    assert d["params"]["lm_head (draft_vocab x H)"] == 32000 * 7168
+    assert d["params"]["embed_tokens (target_vocab x H, frozen)"] == 163840 * 7168
+    assert d["params"]["fc (aux*H -> H)"] == 3 * 7168 * 7168
+
+
+def test_plan_estimates_without_prepare_and_says_so(fake_run):
+    shutil.rmtree(fake_run.step_dir("prepare"))
+    p = plan_mod.plan(fake_run, TINY, free=10**12)
+    assert p["token_source"] == "estimate"
+    assert p["tokens"] == fake_run.data.max_conversations * fake_run.data.seq_length // 2
+    assert any("prepare has not run" in n and "seq_length/2" in n for n in p["notes"])
+
+
+def test_plan_uses_prepared_tokens_and_measured_throughput(fake_run):
+    p = plan_mod.plan(fake_run, TINY, free=10**12)
+    assert p["token_source"].startswith("prepared") and p["samples"] == 7
+    assert p["extract_seconds_estimate"] is None
+    run(fake_run, "extract")
+    p = plan_mod.plan(fake_run, TINY, free=10**12)
+    tokens = read_manifest(fake_run.step_dir("extract"))["summary"]["tokens"]
+    assert p["tokens"] == tokens and p["extract_tokens_per_s"] == round(tokens / 0.5, 1)
+    # the plan's byte count is the files' real size (headers rounded up)
+    real = read_manifest(fake_run.step_dir("extract"))["summary"]["bytes"]
+    assert real <= p["hidden_state_bytes"] <= real + 7 * plan_mod.HEADER_BYTES
+
+
+def test_plan_cli_prints_the_numbers(fake_run, capsys):
+    from pipeline.__main__ import main
+
+    assert main(["plan", "--config", fake_run.source_path]) == 0
+    out = capsys.readouterr().out
+    assert "tokens:" in out and "hidden states:" in out and "free" in out and "draft" in out
+
+
+def test_extract_refuses_when_the_disk_is_too_small(fake_run, monkeypatch):
+    monkeypatch.setattr(plan_mod, "free_bytes", lambda path: 100)
+    with pytest.raises(StepError, match=r"not enough disk.*allow_insufficient_disk"):
+        run(fake_run, "extract")
+    assert fake_run.fake_calls == []  # refused before any engine work
+    fake_run.extract.allow_insufficient_disk = True
+    run(fake_run, "extract")
+    assert read_manifest(fake_run.step_dir("extract"))
+
+
+def test_allow_insufficient_disk_is_not_part_of_the_fingerprint(fake_run):
+    a = fake_run.section_hash("extract")
+    fake_run.extract.allow_insufficient_disk = True
+    assert fake_run.section_hash("extract") == a
+
+
+# ---------------------------------------------------------------- shards
+def test_shard_slices_are_disjoint_and_cover_everything():
+    items = list(range(23))
+    parts = [extract_mod.shard_of(items, (i, 4)) for i in range(4)]
+    assert sorted(x for p in parts for x in p) == items
+    assert extract_mod.parse_shard("1/4") == (1, 4)
+    for bad in ("4/4", "a/b", "1", "-1/2"):
+        with pytest.raises(StepError):
+            extract_mod.parse_shard(bad)
+
+
+def test_two_shards_cover_every_sample_exactly_once(fake_run):
+    out = fake_run.step_dir("extract")
+    r0 = run(fake_run, "extract", shard=(0, 2))
+    assert "incomplete" in r0 and read_manifest(out) is None
+    run(fake_run, "extract", shard=(0, 2))  # rerun of a finished shard redoes nothing
+    assert fake_run.fake_calls[1:] == []
+    m = run(fake_run, "extract", shard=(1, 2))
+    assert m["status"] == "complete" and read_manifest(out)["summary"]["samples"] == 7
+    done = [x for call in fake_run.fake_calls for x in call]
+    assert sorted(done) == sorted((s, i) for s, n in SPLIT_SIZES.items() for i in range(n))  # once each
+    frags = sorted(p.name for p in (out / "shards").glob("*.json"))
+    assert frags == ["0-of-2.json", "1-of-2.json"]
+    problems, files, broken = structural_problems(fake_run)
+    assert problems == [] and len(files) == 7
+    # the sharded output is the same output as one unsharded run's
+    sharded_hash = m["outputs_hash"]
+    m2 = run(fake_run, "extract", force=True)
+    assert m2["outputs_hash"] == sharded_hash and not (out / "shards").exists()
+
+
+def test_verify_finds_stray_missing_and_duplicated_samples(fake_run):
+    run(fake_run, "extract", shard=(0, 2))
+    run(fake_run, "extract", shard=(1, 2))
+    out = fake_run.step_dir("extract")
+    shutil.copy(out / "train" / file_name(0), out / "train" / file_name(99))
+    (out / "eval" / file_name(1)).unlink()
+    frag = json.loads((out / "shards" / "0-of-2.json").read_text())
+    frag["samples"].append(["train", 1])  # shard 1's sample claimed again
+    (out / "shards" / "0-of-2.json").write_text(json.dumps(frag))
+    problems, _, _ = structural_problems(fake_run)
+    text = "\n".join(problems)
+    assert "train/hs_99.safetensors: stray file" in text
+    assert "eval/hs_1.safetensors: missing" in text
+    assert "train/hs_1.safetensors: claimed by several shards" in text
+
+
+def test_coverage_flags_mixed_shard_counts(tmp_path):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / file_name(0)).write_bytes(b"x")
+    (tmp_path / "train" / file_name(1)).write_bytes(b"x")
+    for name, shard, samples in (("0-of-2.json", [0, 2], [["train", 0]]), ("0-of-3.json", [0, 3], [["train", 1]])):
+        (tmp_path / "shards" / name).write_text(json.dumps({"shard": shard, "samples": samples}))
+    problems = coverage_problems(tmp_path, [("train", 0), ("train", 1)])
+    assert any("different shard counts" in p for p in problems)
+
+
+def test_force_on_one_shard_redoes_only_that_shard(fake_run):
+    run(fake_run, "extract", shard=(0, 2))
+    run(fake_run, "extract", shard=(1, 2))
+    fake_run.fake_calls.clear()
+    run(fake_run, "extract", shard=(1, 2), force=True)
+    assert fake_run.fake_calls == [[s for k, s in enumerate(
+        [(sp, i) for sp, n in SPLIT_SIZES.items() for i in range(n)]) if k % 2 == 1]]
+    assert read_manifest(fake_run.step_dir("extract"))["status"] == "complete"
+
+
+def test_shard_is_refused_for_other_steps(fake_run):
+    with pytest.raises(StepError, match="--shard"):
+        run(fake_run, "train", shard=(0, 2))
+
+
+# ---------------------------------------------------------------- manifests: determinism and provenance
+def test_manifest_records_determinism_and_environment(fake_run, monkeypatch):
+    from pipeline.determinism import apply
+
+    monkeypatch.setenv("VLLM_TEST_MARKER", "1")
+    monkeypatch.setenv("HF_TOKEN", "secret-value")
+    apply(fake_run.run.seed)
+    m = run(fake_run, "extract")
+    d = m["determinism"]
+    assert d["seed"] == fake_run.run.seed and d["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert d["deterministic_algorithms"] is True
+    assert m["env"]["VLLM_TEST_MARKER"] == "1" and m["env"]["HF_TOKEN"] == "<set>"
+    assert "image" in m and "gpu_driver" in m
+    torch.use_deterministic_algorithms(False)
