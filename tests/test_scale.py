@@ -243,3 +243,58 @@ def test_manifest_records_determinism_and_environment(fake_run, monkeypatch):
     assert m["env"]["VLLM_TEST_MARKER"] == "1" and m["env"]["HF_TOKEN"] == "<set>"
     assert "image" in m and "gpu_driver" in m
     torch.use_deterministic_algorithms(False)
+
+
+# ---------------------------------------------------------------- compare
+def _fake_downstream(run_dir: Path, scale: float, acceptance: float):
+    """train checkpoint + eval.json with manifests, as the real steps lay them out."""
+    (run_dir / "train" / "checkpoints" / "0").mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    save_file({"fc.weight": torch.randn(8, 16, generator=g) * scale, "d2t": torch.arange(4)},
+              str(run_dir / "train" / "checkpoints" / "0" / "model.safetensors"))
+    (run_dir / "train" / "checkpoint").symlink_to("checkpoints/0")
+    (run_dir / "eval").mkdir()
+    (run_dir / "eval" / "eval.json").write_text(json.dumps(
+        {"drafters": {"trained": {"acceptance_length": acceptance, "tokens_per_s": 100 * acceptance}}}))
+    for step in ("train", "eval"):
+        write_json_atomic(run_dir / step / "manifest.json",
+                          {"status": "complete", "outputs_hash": f"{step}-{scale}-{acceptance}", "inputs": {}})
+
+
+def test_compare_identical_runs_and_the_first_divergence(fake_run):
+    from pipeline.compare import compare_runs, main
+
+    run(fake_run, "extract")
+    a = fake_run.run_dir
+    _fake_downstream(a, 1.0, 2.0)
+    b = a.parent / "copy"
+    shutil.copytree(a, b, symlinks=True)
+    r = compare_runs(a, b)
+    assert r["first_divergent_step"] is None
+    assert {s["step"]: s["status"] for s in r["steps"]}["extract"] == "identical"
+    assert main([str(a), str(b)]) == 0
+
+    # a changed draft and eval only: first divergence at train, with a weight diff and a metric delta
+    shutil.rmtree(b / "train"), shutil.rmtree(b / "eval")
+    _fake_downstream(b, 1.5, 2.5)
+    r = compare_runs(a, b)
+    assert r["first_divergent_step"] == "train"
+    rows = {s["step"]: s for s in r["steps"]}
+    assert rows["train"]["contents"]["worst_tensor"] == "fc.weight"
+    assert rows["train"]["contents"]["worst"]["max_abs_diff"] > 0
+    assert rows["train"]["contents"]["min_cosine"] == pytest.approx(1.0)  # a scaled copy points the same way
+    assert rows["eval"]["contents"]["deltas"]["drafters.trained.acceptance_length"] == pytest.approx(0.5)
+
+    # one hidden-state value changed: the first divergence moves to extract, with its size
+    f = b / "extract" / "train" / file_name(2)
+    from safetensors.torch import load_file
+
+    t = load_file(str(f))
+    t["hidden_states"][0, 0, 0] += 1.0
+    save_file(t, str(f))
+    r = compare_runs(a, b)
+    assert r["first_divergent_step"] == "extract"
+    c = {s["step"]: s for s in r["steps"]}["extract"]["contents"]
+    assert c["worst_file"] == "train/hs_2.safetensors" and c["max_abs_diff"] == pytest.approx(1.0, abs=0.02)
+    assert c["bit_identical"] == c["files_compared"] - 1 and c["min_token_cosine"] < 1.0
+    assert main([str(a), str(b)]) == 1
