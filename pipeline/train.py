@@ -102,7 +102,7 @@ def run(cfg: Config, out: Path) -> dict:
     untrained = out / "untrained"
     if not (untrained / "model.safetensors").exists():
         _speculators(out, [*_replace(args, "--save-path", str(untrained)), "--dry-run"], "untrained", out / "untrained.jsonl")
-    _speculators(out, args, "train", out / "metrics.jsonl")
+    _speculators(out, args, "train", out / "metrics.jsonl", cfg=cfg)
 
     final = last_epoch(out / "checkpoints")
     link = out / "checkpoint"
@@ -132,9 +132,11 @@ def _replace(args: list[str], flag: str, value: str) -> list[str]:
     return args
 
 
-def _speculators(out: Path, args: list[str], name: str, metrics: Path) -> None:
+def _speculators(out: Path, args: list[str], name: str, metrics: Path, cfg: Config | None = None) -> None:
     log = out / f"{name}.log"
     cmd = [sys.executable, "-m", "pipeline.engines.speculators_train", "--metrics", str(metrics), "--", *args]
+    if cfg is not None:
+        cmd = _torchrun_command(cfg, cmd)
     print(f"[train] {name}: speculators train (log: {log})")
     with open(log, "a") as f:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -146,6 +148,22 @@ def _speculators(out: Path, args: list[str], name: str, metrics: Path) -> None:
     if rc != 0:
         tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-25:])
         raise StepError(f"speculators train ({name}) failed (exit {rc}); log {log}, last lines:\n    {tail}")
+
+
+def _torchrun_command(cfg: Config, cmd: list[str]) -> list[str]:
+    """The training command under torchrun when train.nproc_per_node x train.nnodes > 1; else unchanged."""
+    t = cfg.train
+    if t.nproc_per_node == 1 and t.nnodes == 1:
+        return cmd
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(t.nproc_per_node),
+              "--nnodes", str(t.nnodes)]
+    if t.rdzv_endpoint:
+        launch += ["--rdzv-backend", t.rdzv_backend, "--rdzv-endpoint", t.rdzv_endpoint,
+                   "--rdzv-id", t.rdzv_id or cfg.run.name]
+    else:
+        launch += ["--standalone"]
+    assert cmd[1] == "-m"
+    return [*launch, "-m", *cmd[2:]]
 
 
 def last_epoch(ckpts: Path) -> Path:

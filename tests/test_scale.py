@@ -298,3 +298,41 @@ def test_compare_identical_runs_and_the_first_divergence(fake_run):
     assert c["worst_file"] == "train/hs_2.safetensors" and c["max_abs_diff"] == pytest.approx(1.0, abs=0.02)
     assert c["bit_identical"] == c["files_compared"] - 1 and c["min_token_cosine"] < 1.0
     assert main([str(a), str(b)]) == 1
+
+
+# ---------------------------------------------------------------- torchrun
+def test_torchrun_command_follows_the_config(repo, tmp_path):
+    import sys
+
+    from pipeline.config import ConfigError
+    from pipeline.train import _torchrun_command
+
+    cmd = [sys.executable, "-m", "pipeline.engines.speculators_train", "--metrics", "m", "--", "--epochs", "1"]
+    cfg = load_config(repo / "configs" / "smollm2-cpu.toml")
+    assert _torchrun_command(cfg, cmd) == cmd  # 1 x 1: the single-process path, unchanged
+    h = cfg.section_hash("train")
+    cfg = load_config(repo / "configs" / "smollm2-cpu.toml", {"train.nproc_per_node": 2})
+    assert _torchrun_command(cfg, cmd) == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                           "--nnodes", "1", "--standalone", "-m", *cmd[2:]]
+    assert cfg.section_hash("train") != h  # the world size changes the global batch: a new fingerprint
+    cfg = load_config(repo / "configs" / "smollm2-cpu.toml",
+                      {"train.nproc_per_node": 8, "train.nnodes": 2, "train.rdzv_endpoint": "node0:29500"})
+    got = _torchrun_command(cfg, cmd)
+    assert got[got.index("--rdzv-endpoint") + 1] == "node0:29500" and got[got.index("--rdzv-id") + 1] == cfg.run.name
+    assert "--standalone" not in got
+    with pytest.raises(ConfigError, match="rdzv_endpoint"):
+        load_config(repo / "configs" / "smollm2-cpu.toml", {"train.nnodes": 2})
+
+
+def test_torchrun_two_process_gloo_training(data_run, runs_dir):
+    """2-process DDP (gloo) through torchrun on CPU: needs patches/speculators/0.9.0/0005 (gloo when no
+    accelerator); unpatched speculators raises 'No accelerator found'."""
+    from tests.conftest import clone_run
+
+    cfg = clone_run(data_run, "torchrun", runs_dir, train={"epochs": 1, "nproc_per_node": 2})
+    run(cfg, "vocab")
+    m = run(cfg, "train")
+    log = (cfg.step_dir("train") / "train.log").read_text()
+    assert "dp_size=2" in log
+    assert (cfg.step_dir("train") / "checkpoint" / "model.safetensors").exists()
+    assert m["summary"]["epochs"] == 1
