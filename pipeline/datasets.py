@@ -161,9 +161,14 @@ def load_conversations(stack: str, path: str = "") -> tuple[list[dict], LoadRepo
         p = Path(path)
         if not p.exists():
             raise StepError(f"data.path: conversations file not found: {p}")
-        text = p.read_text(encoding="utf-8", errors="strict")
+        if p.suffix == ".gz":
+            import gzip
+
+            text = gzip.decompress(p.read_bytes()).decode("utf-8")
+        else:
+            text = p.read_text(encoding="utf-8", errors="strict")
         source = str(p)
-        if p.suffix == ".jsonl":
+        if p.name.endswith((".jsonl", ".jsonl.gz")):
             records, skipped = [], 0
             for lineno, line in enumerate(text.splitlines(), 1):
                 if line.strip():

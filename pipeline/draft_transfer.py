@@ -1,0 +1,87 @@
+"""Move a trained draft between machines without its frozen copy of the target's embedding.
+
+A speculators EAGLE-3 checkpoint stores `embed_tokens` (vocab x hidden, frozen, identical to the
+target's input embedding): 57 MB of SmolLM2's 80 MB. `slim` writes the checkpoint without it (and
+splits the weights into files below a size limit); `restore` puts the target's embedding back and
+checks the result loads as the same checkpoint. Used for the GPU machine, whose outbound files are
+limited in size: only what cannot be rebuilt from the target travels.
+
+  python -m pipeline.draft_transfer slim CKPT_DIR OUT_DIR [--max-mb 15]
+  python -m pipeline.draft_transfer restore SLIM_DIR TARGET_MODEL_DIR OUT_CKPT_DIR
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+EMBED = "embed_tokens.weight"
+
+
+def _embed_key(keys) -> str:
+    found = [k for k in keys if k.endswith(EMBED)]
+    if len(found) != 1:
+        raise ValueError(f"expected one *{EMBED} tensor, found {found}")
+    return found[0]
+
+
+def slim(ckpt: Path, out: Path, max_mb: float = 15.0) -> list[Path]:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(ckpt / "model.safetensors"))
+    key = _embed_key(weights)
+    removed = weights.pop(key)
+    shape, dtype = list(removed.shape), str(removed.dtype).removeprefix("torch.")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ckpt / "config.json", out / "config.json")
+    parts, current, size = [], {}, 0
+    for name in sorted(weights):
+        t = weights[name].contiguous()
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_mb * 1e6:
+            parts.append(current)
+            current, size = {}, 0
+        current[name], size = t, size + nbytes
+    parts.append(current)
+    files = []
+    for i, part in enumerate(parts):
+        f = out / f"weights-{i}.safetensors"
+        save_file(part, str(f))
+        files.append(f)
+    (out / "slim.json").write_text(json.dumps({"removed": key, "shape": shape, "dtype": dtype, "files": [f.name for f in files]}))
+    return files
+
+
+def restore(slim_dir: Path, target: Path, out: Path) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    meta = json.loads((slim_dir / "slim.json").read_text())
+    weights = {}
+    for name in meta["files"]:
+        weights.update(load_file(str(slim_dir / name)))
+    target_weights = {}
+    for f in sorted(target.glob("*.safetensors")):
+        target_weights.update(load_file(str(f)))
+    embed = target_weights[_embed_key(target_weights)]
+    if list(embed.shape) != meta["shape"]:
+        raise ValueError(f"target embedding {list(embed.shape)} != the draft's {meta['shape']}")
+    dtype = getattr(torch, meta["dtype"])
+    weights[meta["removed"]] = embed.to(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(slim_dir / "config.json", out / "config.json")
+    save_file(weights, str(out / "model.safetensors"))
+    assert torch.equal(load_file(str(out / "model.safetensors"))[meta["removed"]], embed.to(dtype))
+    return out
+
+
+if __name__ == "__main__":
+    cmd, *args = sys.argv[1:]
+    if cmd == "slim":
+        mb = float(args[args.index("--max-mb") + 1]) if "--max-mb" in args else 15.0
+        print(slim(Path(args[0]), Path(args[1]), mb))
+    elif cmd == "restore":
+        print(restore(Path(args[0]), Path(args[1]), Path(args[2])))
+    else:
+        sys.exit(__doc__)
