@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .chat import REASONING_MODES, TemplateError, tokenize_conversation
+from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, tokenize_conversation
 from .config import Config
 from .datasets import load_conversations, load_mtbench, near_duplicates
 from .manifest import StepError
@@ -103,6 +103,37 @@ def run(cfg: Config, out: Path) -> dict:
     }
 
 
+def prompt_opens_reasoning(tok) -> bool:
+    """Whether the generation prompt ends inside a think block (Kimi/R1-style thinking templates)."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    return prompt.rstrip().endswith(THINK_OPEN)
+
+
+def answer_text(tok, gen, thinking: bool) -> str | None:
+    """The assistant content of a generation, its reasoning as a leading <think>...</think> block.
+
+    The engine's text drops special tokens: where the think tags are special tokens (Kimi), the
+    tokens are decoded again with them (end-of-sequence tokens removed). Where the prompt already
+    opened the think block, the opening tag is put back. None: the reasoning never ended
+    (cut at max_new_tokens), so there is no answer to train on.
+    """
+    text = gen.text
+    close_id = tok.convert_tokens_to_ids(THINK_CLOSE)
+    if isinstance(close_id, int) and close_id != tok.unk_token_id and close_id in gen.token_ids \
+            and THINK_CLOSE not in text and not tok.decode([close_id], skip_special_tokens=True):
+        ids = list(gen.token_ids)
+        while ids and ids[-1] in {tok.eos_token_id, tok.pad_token_id}:
+            ids.pop()
+        text = tok.decode(ids, skip_special_tokens=False)
+    text = text.strip()
+    if thinking:
+        if THINK_CLOSE not in text:
+            return None
+        if not text.startswith(THINK_OPEN):
+            text = THINK_OPEN + text
+    return text
+
+
 def reasoning_mode(cfg: Config) -> str:
     """data.reasoning ("keep" | "drop" | "final_only"; keep when the config schema has no such key)."""
     mode = getattr(cfg.data, "reasoning", "keep")
@@ -138,6 +169,9 @@ def regenerate(cfg: Config, tok, selected: list[dict]) -> dict:
             trust_remote_code=cfg.model.trust_remote_code,
         )
     stats = {"engine": cfg.data.engine, "regenerated_turns": 0, "truncated_at_max_new_tokens": 0, "turns_dropped_prompt_too_long": 0}
+    thinking = prompt_opens_reasoning(tok)
+    if thinking:
+        stats["reasoning_unfinished"] = 0
     # Conversations keep only the turns that were regenerated; later original turns are dropped
     # once an earlier answer changed (they would answer a different conversation).
     pending = {c["id"]: c for c in selected}
@@ -163,7 +197,10 @@ def regenerate(cfg: Config, tok, selected: list[dict]) -> dict:
         print(f"[prepare] regenerating round {r + 1}/{rounds}: {len(prompts)} prompts")
         gens = generate(llm, prompts, max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, seed=cfg.run.seed)
         for cid, g in zip(ids, gens):
-            history[cid] += [users[cid][r], {"role": "assistant", "content": g.text.strip()}]
+            content = answer_text(tok, g, thinking)
+            if thinking:
+                stats["reasoning_unfinished"] += content is None
+            history[cid] += [users[cid][r], {"role": "assistant", "content": content or ""}]
             stats["regenerated_turns"] += 1
             stats["truncated_at_max_new_tokens"] += g.finish_reason == "length"
     for c in selected:

@@ -178,3 +178,28 @@ def test_template_without_reasoning_field_gets_inline_think():
 def test_unknown_reasoning_mode():
     with pytest.raises(ValueError, match="reasoning mode"):
         tokenize_conversation(fast_kimi_tokenizer(), CONV[:3], 100, reasoning="sometimes")
+
+
+def test_regenerated_answers_keep_their_reasoning():
+    """prepare's regeneration: the engine's text drops special tokens (Kimi's think tags are special) and
+    the thinking prompt already opened <think>; the stored answer is a whole <think>...</think> block."""
+    from pipeline.engines.vllm_offline import Generation
+    from pipeline.prepare import answer_text, prompt_opens_reasoning
+
+    tok = fast_kimi_tokenizer()
+    assert prompt_opens_reasoning(tok)
+    ids = tok.encode("Plan.</think>Answer.", add_special_tokens=False) + [tok.eos_token_id]
+    g = Generation(tok.decode(ids, skip_special_tokens=True), ids, "stop")
+    assert g.text == "Plan.Answer."  # what vLLM's detokenizer returns
+    content = answer_text(tok, g, True)
+    assert content == "<think>Plan.</think>Answer."
+    t = tokenize_conversation(tok, [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content}], 4096,
+                              reasoning="final_only")
+    assert masked_runs(tok, t) == ["Answer.<|im_end|>"]
+    cut = tok.encode("Plan and more", add_special_tokens=False)
+    assert answer_text(tok, Generation("Plan and more", cut, "length"), True) is None
+    # a non-thinking template: the engine's text, stripped (the previous behaviour)
+    tok.chat_template = TEMPLATE.read_text().replace("<|im_middle|><think>\n", "<|im_middle|>\n")
+    assert not prompt_opens_reasoning(tok)
+    plain = tok.encode(" Just text ", add_special_tokens=False)
+    assert answer_text(tok, Generation(" Just text ", plain, "stop"), False) == "Just text"
