@@ -152,3 +152,36 @@ def test_server_that_cannot_start_fails_the_step_cleanly(data_run, runs_dir):
         run(cfg, "extract")
     assert read_manifest(cfg.step_dir("extract")) is None
     assert not list(cfg.step_dir("extract").rglob("hs_*.safetensors"))
+
+
+def test_sharded_extraction_with_a_real_server_is_complete_and_reproducible(data_run, runs_dir):
+    """Shard 0/2 finds its files already there (no server); shard 1/2 re-extracts its half with a real vLLM
+    server (one start). Together: every sample once, the step's manifest, verify passes. The re-extracted
+    files are compared with the first extraction of the same tokens (determinism: bit-identical, or within
+    the tolerance printed here and recorded in NOTES.md)."""
+    from pipeline.compare import compare_extract
+    from pipeline.extract import load_samples, shard_of
+
+    cfg = clone_run(data_run, "shards", runs_dir)
+    out = cfg.step_dir("extract")
+    (out / "manifest.json").unlink()
+    mine = shard_of(load_samples(cfg), (1, 2))
+    for split, i, _ in mine:
+        (out / split / file_name(i)).unlink()
+    r0 = run(cfg, "extract", shard=(0, 2))
+    assert "incomplete" in r0 and read_manifest(out) is None
+    m = run(cfg, "extract", shard=(1, 2))
+    assert m["status"] == "complete" and m["summary"]["shards"] == ["0/2", "1/2"]
+    assert m["summary"]["extracted_now"] == len(mine) and m["summary"]["samples"] == len(load_samples(cfg))
+    assert m["determinism"]["seed"] == cfg.run.seed
+    run(cfg, "verify")
+    c = compare_extract(data_run.step_dir("extract"), out)
+    print(f"determinism: {c['bit_identical']}/{c['files_compared']} bit-identical, max |a-b| {c['max_abs_diff']}, "
+          f"min token cosine {c['min_token_cosine']}")
+    assert not c["token_ids_differ"] and not c["only_in_a"] and not c["only_in_b"]
+    # Not bit-identical on CPU: bf16 kernels depend on the batch shape (NOTES.md), and vLLM batches requests
+    # as they arrive. Measured (2 shared cores, concurrency 4): 3 of the 10 re-extracted files bit-identical,
+    # the others differ by one bf16 ulp in a few large activations (max |a-b| 128 at |x| ~ 2e4), mean per-token
+    # cosine 0.99993, worst token 0.99875. The tolerance below is what this test enforces.
+    assert c["min_token_cosine"] > 0.995
+    assert c["mean_token_cosine_of_differing"] is None or c["mean_token_cosine_of_differing"] > 0.9995

@@ -235,14 +235,19 @@ def test_manifest_records_determinism_and_environment(fake_run, monkeypatch):
 
     monkeypatch.setenv("VLLM_TEST_MARKER", "1")
     monkeypatch.setenv("HF_TOKEN", "secret-value")
-    apply(fake_run.run.seed)
-    m = run(fake_run, "extract")
+    for k in ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED"):  # restored after the test
+        monkeypatch.delenv(k, raising=False)
+    try:
+        apply(fake_run.run.seed)
+        m = run(fake_run, "extract")
+    finally:
+        torch.use_deterministic_algorithms(False)
     d = m["determinism"]
     assert d["seed"] == fake_run.run.seed and d["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert d["env"]["PYTHONHASHSEED"] == str(fake_run.run.seed)
     assert d["deterministic_algorithms"] is True
     assert m["env"]["VLLM_TEST_MARKER"] == "1" and m["env"]["HF_TOKEN"] == "<set>"
     assert "image" in m and "gpu_driver" in m
-    torch.use_deterministic_algorithms(False)
 
 
 # ---------------------------------------------------------------- compare
