@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--target-config", help="the target's config.json (default: <model.path>/config.json)")
     plan.add_argument("--conversations", type=int, help="plan for this many samples instead of the prepared data")
     plan.add_argument("--tokens-per-sample", type=float, help="plan with this mean sample length (default seq_length/2)")
+    plan.add_argument("--tokens-per-s", type=float, help="extraction throughput per engine for the time estimate "
+                      "(default: the one this run's extract measured)")
     args = ap.parse_args(argv)
     # SIGTERM (docker stop, a scheduler, a test) unwinds like Ctrl-C, so engines are stopped and
     # no manifest is written for an unfinished step.
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.step == "plan":
             from . import plan as planner
 
-            planner.main(cfg, args.target_config, args.conversations, args.tokens_per_sample)
+            planner.main(cfg, args.target_config, args.conversations, args.tokens_per_sample, args.tokens_per_s)
             return 0
         from .determinism import apply as apply_determinism
         from .extract import parse_shard

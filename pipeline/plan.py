@@ -1,7 +1,7 @@
 """`plan`: what a run will cost before it starts -- tokens, hidden-state bytes, disk, time, draft size.
 
     python -m pipeline plan --config configs/X.toml [--target-config config.json]
-                            [--conversations N] [--tokens-per-sample T]
+                            [--conversations N] [--tokens-per-sample T] [--tokens-per-s R]
 
 Tokens come from the prepare manifest when prepare has run; otherwise they are estimated as
 conversations x data.seq_length/2 (the assumption is printed). Hidden-state bytes follow the file
@@ -164,6 +164,7 @@ def plan(cfg: Config, target_conf: dict, *, conversations: int | None = None, to
     hs_bytes = tokens * per_token + samples * HEADER_BYTES
     free = free if free is not None else free_bytes(cfg.run_dir)
     tps = tokens_per_s if tokens_per_s is not None else measured_tokens_per_s(cfg)
+    throughput_source = "given" if tokens_per_s is not None else "measured by this run's extract"
     return {
         "target": {**shape, "layer_ids": ids},
         "samples": samples,
@@ -176,6 +177,7 @@ def plan(cfg: Config, target_conf: dict, *, conversations: int | None = None, to
         "disk_sufficient": hs_bytes * DISK_MARGIN <= free,
         "extract_tokens_per_s": tps,
         "extract_seconds_estimate": round(tokens / tps, 1) if tps else None,
+        "throughput_source": throughput_source if tps else None,
         "draft": draft_size(shape, len(ids), cfg.vocab.draft_vocab_size, cfg.train.num_layers, dtype_b),
         "notes": notes,
     }
@@ -204,7 +206,7 @@ def render(p: dict) -> str:
         f"runs volume: {p['runs_volume']}: {human(p['free_bytes'])} free -> "
         + ("enough" if p["disk_sufficient"] else "NOT ENOUGH (extract will refuse; extract.allow_insufficient_disk=true overrides)"),
         "extraction time: "
-        + (f"{duration(p['extract_seconds_estimate'])} at the measured {p['extract_tokens_per_s']:,} tokens/s per engine"
+        + (f"{duration(p['extract_seconds_estimate'])} at {p['extract_tokens_per_s']:,} tokens/s per engine ({p['throughput_source']})"
            if p["extract_seconds_estimate"] is not None else "no measured throughput yet (run extract once, or a shard)"),
         f"draft (EAGLE-3, speculators 0.9.0 shape): {d['total_params']:,} params "
         f"({d['trainable_params']:,} trainable), weights {human(d['weights_bytes'])}, checkpoint {human(d['checkpoint_bytes'])}, "
@@ -225,8 +227,9 @@ def load_target_conf(cfg: Config, path: str | None = None) -> dict:
 
 
 def main(cfg: Config, target_config: str | None = None, conversations: int | None = None,
-         tokens_per_sample: float | None = None) -> dict:
-    p = plan(cfg, load_target_conf(cfg, target_config), conversations=conversations, tokens_per_sample=tokens_per_sample)
+         tokens_per_sample: float | None = None, tokens_per_s: float | None = None) -> dict:
+    p = plan(cfg, load_target_conf(cfg, target_config), conversations=conversations, tokens_per_sample=tokens_per_sample,
+             tokens_per_s=tokens_per_s)
     print(render(p))
     return p
 
