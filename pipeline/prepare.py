@@ -35,9 +35,24 @@ def select(convs: list[dict], cfg: Config) -> list[dict]:
     return ordered
 
 
-def run(cfg: Config, out: Path) -> dict:
+def load_tokenizer(cfg: Config):
+    """The target's tokenizer; remote-code tokenizers (Kimi's tiktoken one) need model.trust_remote_code.
+
+    Without the opt-in, transformers falls back to the model type's tokenizer class and fails with an
+    unrelated conversion error (or loads a different tokenizer): refuse first, naming the key."""
     from transformers import AutoTokenizer
 
+    tc = cfg.model_path / "tokenizer_config.json"
+    auto_map = json.loads(tc.read_text()).get("auto_map", {}) if tc.exists() else {}
+    if isinstance(auto_map, dict) and auto_map.get("AutoTokenizer") and not cfg.model.trust_remote_code:
+        raise StepError(
+            f"{cfg.model_path}: the tokenizer is remote code ({auto_map['AutoTokenizer']}); set "
+            f"model.trust_remote_code = true in {cfg.source_path or 'the config'} to run it"
+        )
+    return AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def run(cfg: Config, out: Path) -> dict:
     convs, report = load_conversations(cfg.run.stack, cfg.data.path)
     questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
     contaminated = near_duplicates(convs, questions)
@@ -46,7 +61,7 @@ def run(cfg: Config, out: Path) -> dict:
     if not selected:
         raise StepError(f"no usable conversations in {report.source} (dropped: {report.dropped})")
 
-    tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
+    tok = load_tokenizer(cfg)
     if not tok.chat_template:
         raise StepError(f"{cfg.model_path}: the tokenizer has no chat template; training data needs one")
     n_selected = len(selected)

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from pipeline.chat import tokenize_conversation
+from pipeline.manifest import StepError
 from tests.conftest import REPO, write_config
 from tests.deepseek_toy import TINY, build, conversations
 
@@ -167,3 +168,35 @@ def test_toy_train_and_eval(toy_data_run):
     log = (cfg.step_dir("eval") / "trained.log").read_text()
     assert "Resolved architecture: Eagle3LlamaForCausalLM" in log
     assert "Using auxiliary layers from speculative config: (1, 2, 3)" in log
+
+
+def test_remote_code_tokenizer_is_an_explicit_opt_in(toy_model):
+    """Kimi's tokenizer is remote code (tiktoken-based, no offsets). prepare loads it only with
+    model.trust_remote_code = true, masks it segment-wise, and records the opt-in in its manifest."""
+    import shutil
+
+    from pipeline.steps import run
+    from tests.kimi_toy import save_remote_code_tokenizer
+
+    remote = TOY_DIR / "remote-tokenizer-model"
+    shutil.rmtree(remote, ignore_errors=True)
+    save_remote_code_tokenizer(remote)
+    for f in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(toy_model / f, remote / f)
+    shutil.rmtree(TOY_DIR / "runs" / "remote-off", ignore_errors=True)
+    shutil.rmtree(TOY_DIR / "runs" / "remote-on", ignore_errors=True)
+    off = toy_config("remote-off", model={"path": str(remote), "trust_remote_code": False})
+    run(off, "model")
+    with pytest.raises(StepError, match="tokenizer is remote code.*model.trust_remote_code = true"):
+        run(off, "prepare")
+    on = toy_config("remote-on", model={"path": str(remote), "trust_remote_code": True})
+    run(on, "model")
+    run(on, "prepare")
+    s = summary(on, "prepare")
+    assert s["trust_remote_code"] is True and s["rejected_at_tokenization"] == {} and s["train_samples"] > 0
+    # the same masks as the fast byte-level tokenizer of the toy (both are one token per character here)
+    fast = toy_config("toy-fast")
+    shutil.rmtree(fast.run_dir, ignore_errors=True)
+    run(fast, "model")
+    run(fast, "prepare")
+    assert summary(fast, "prepare")["assistant_tokens"] == s["assistant_tokens"] > 0
