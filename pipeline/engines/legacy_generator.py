@@ -9,8 +9,8 @@ last layer's output before the final norm), so the pipeline's ids are passed thr
 Runs inside the stack's own venv (`.venv-vllm-0.16/bin/python -m pipeline extract --config ...`).
 Writes exactly what the native path writes: out/<split>/hs_<index>.safetensors =
 {"hidden_states": [T, len(layer_ids), H] in the configured dtype, layers in ascending id order,
- "token_ids": int64 [T]}, each written under a temporary name in out/.staging and renamed into place
-(a file is complete or absent). Every result is checked (layer count, shape, token ids) before it is
+ "token_ids": int64 [T]}, each written under a temporary name in a staging folder inside `out` and
+renamed into place (a file is complete or absent). Every result is checked (layer count, shape, token ids) before it is
 written: a generator that returns the wrong layers or rows fails the step instead of writing them.
 
 Environment overrides (no config keys for them yet):
@@ -123,8 +123,13 @@ def check_result(result: dict, ids: list[int], num_ids: int, hidden: int) -> str
 
 
 def extract_legacy(cfg: Config, todo: list[tuple[str, int, list[int]]], out: Path, layer_ids: list[int],
-                   hidden: int) -> dict:
-    """Extract hidden states for `todo` = [(split, index, token ids)] with the patched 0.3.0 generator."""
+                   hidden: int, staging: Path | None = None) -> dict:
+    """Extract hidden states for `todo` = [(split, index, token ids)] with the patched 0.3.0 generator.
+
+    staging: folder for the temporary files (same file system as `out`); default a folder of this
+    process inside `out`, removed afterwards (shards running at the same time do not collide)."""
+    import shutil
+
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -140,8 +145,9 @@ def extract_legacy(cfg: Config, todo: list[tuple[str, int, list[int]]], out: Pat
         raise StepError(f"a sample has {longest} tokens; the generator needs fewer than model.max_model_len "
                         f"({cfg.model.max_model_len}) (it truncates to max_model_len - 1)")
     dtype = getattr(torch, cfg.model.dtype)
-    staging = out / ".staging"
-    staging.mkdir(exist_ok=True)
+    own_staging = staging is None
+    staging = staging or out / f".staging-legacy-{os.getpid()}"
+    staging.mkdir(parents=True, exist_ok=True)
 
     t0 = time.time()
     gen = start_generator(cfg.model_path, layer_ids, cfg.model.max_model_len, cfg.model.trust_remote_code)
@@ -171,4 +177,6 @@ def extract_legacy(cfg: Config, todo: list[tuple[str, int, list[int]]], out: Pat
         stats["extract_s"] = round(time.time() - t1, 1)
     finally:
         gen.executor.shutdown()
+        if own_staging:
+            shutil.rmtree(staging, ignore_errors=True)
     return stats
