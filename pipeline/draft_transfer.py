@@ -27,6 +27,7 @@ def _embed_key(keys) -> str:
 
 
 def slim(ckpt: Path, out: Path, max_mb: float = 15.0) -> list[Path]:
+    import torch
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(ckpt / "model.safetensors"))
@@ -35,6 +36,19 @@ def slim(ckpt: Path, out: Path, max_mb: float = 15.0) -> list[Path]:
     shape, dtype = list(removed.shape), str(removed.dtype).removeprefix("torch.")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(ckpt / "config.json", out / "config.json")
+    # A tensor larger than the limit (a 16k-row lm_head is 19 MB) travels as row blocks "<name>.part<i>".
+    limit = int(max_mb * 1e6)
+    pieces, split = {}, {}
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if nbytes > limit and t.dim() > 0:
+            rows = max(1, limit // max(1, nbytes // t.shape[0]))
+            chunks = torch.split(t, rows, dim=0)
+            split[name] = len(chunks)
+            pieces.update({f"{name}.part{i}": c for i, c in enumerate(chunks)})
+        else:
+            pieces[name] = t
+    weights = pieces
     parts, current, size = [], {}, 0
     for name in sorted(weights):
         t = weights[name].contiguous()
@@ -49,7 +63,7 @@ def slim(ckpt: Path, out: Path, max_mb: float = 15.0) -> list[Path]:
         f = out / f"weights-{i}.safetensors"
         save_file(part, str(f))
         files.append(f)
-    (out / "slim.json").write_text(json.dumps({"removed": key, "shape": shape, "dtype": dtype, "files": [f.name for f in files]}))
+    (out / "slim.json").write_text(json.dumps({"removed": key, "shape": shape, "dtype": dtype, "split": split, "files": [f.name for f in files]}))
     return files
 
 
@@ -61,6 +75,8 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
     weights = {}
     for name in meta["files"]:
         weights.update(load_file(str(slim_dir / name)))
+    for name, n in meta.get("split", {}).items():
+        weights[name] = torch.cat([weights.pop(f"{name}.part{i}") for i in range(n)], dim=0)
     target_weights = {}
     for f in sorted(target.glob("*.safetensors")):
         target_weights.update(load_file(str(f)))

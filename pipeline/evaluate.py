@@ -79,14 +79,11 @@ def check_precision(cfg: Config, extract_summary: dict) -> None:
         )
 
 
-def run(cfg: Config, out: Path) -> dict:
+def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
+    """The baseline and one speculative run per draft on the config's MT-bench prompts; writes
+    eval.json, eval.md and acceptance.png into `out` and returns the report."""
     from transformers import AutoTokenizer
 
-    require_manifest(cfg, "train")
-    trained = cfg.step_dir("train") / "checkpoint"
-    untrained = cfg.step_dir("train") / "untrained"
-    check_checkpoint(trained, "trained draft")
-    check_precision(cfg, require_manifest(cfg, "extract")["summary"])
     k = cfg.eval.num_speculative_tokens
     tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts = mtbench_prompts(cfg, tok)
@@ -96,14 +93,9 @@ def run(cfg: Config, out: Path) -> dict:
         "trust_remote_code": cfg.model.trust_remote_code,
     }
     runs = {"baseline": run_engine("baseline", base_req, out, cfg.eval.engine)}
-    drafts = {"trained": trained}
-    if cfg.eval.untrained_floor:
-        check_checkpoint(untrained, "untrained draft")
-        drafts["untrained"] = untrained
     for name, ckpt in drafts.items():
         spec = {"method": "eagle3", "model": str(ckpt), "num_speculative_tokens": k}
         runs[name] = run_engine(name, {**base_req, "speculative_config": spec}, out, cfg.eval.engine)
-
     base = runs["baseline"]
     report = {
         "engine": cfg.eval.engine, "prompts": len(prompts), "max_tokens": cfg.eval.max_tokens,
@@ -128,6 +120,20 @@ def run(cfg: Config, out: Path) -> dict:
     (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "eval.md").write_text(markdown(report))
     plot(report, out / "acceptance.png")
+    return report
+
+
+def run(cfg: Config, out: Path) -> dict:
+    require_manifest(cfg, "train")
+    trained = cfg.step_dir("train") / "checkpoint"
+    untrained = cfg.step_dir("train") / "untrained"
+    check_checkpoint(trained, "trained draft")
+    check_precision(cfg, require_manifest(cfg, "extract")["summary"])
+    drafts = {"trained": trained}
+    if cfg.eval.untrained_floor:
+        check_checkpoint(untrained, "untrained draft")
+        drafts["untrained"] = untrained
+    report = evaluate_drafts(cfg, drafts, out)
     t = report["drafters"]["trained"]
     summary = {
         "acceptance_length": t["acceptance_length"],
@@ -179,3 +185,26 @@ def plot(r: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    # Evaluate checkpoints made elsewhere (e.g. trained on a GPU machine and brought back):
+    #   python -m pipeline.evaluate --config C --out DIR name=CKPT_DIR [name=CKPT_DIR ...]
+    import argparse
+
+    from .config import load_config
+    from .env import setup_env
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("drafts", nargs="+", metavar="NAME=CKPT_DIR")
+    a = ap.parse_args()
+    setup_env()
+    c = load_config(a.config)
+    o = Path(a.out)
+    o.mkdir(parents=True, exist_ok=True)
+    ds = {n: Path(p) for n, p in (d.split("=", 1) for d in a.drafts)}
+    for n, p in ds.items():
+        check_checkpoint(p, n)
+    print(markdown(evaluate_drafts(c, ds, o)))

@@ -97,6 +97,13 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def stack_description(stack: str) -> dict[str, str]:
     path = REPO_ROOT / "docker" / "stacks" / f"{stack}.env"
     if not path.exists():
@@ -123,7 +130,10 @@ def patch_series_hash(dist: str, version: str) -> str | None:
 
 def git_commit() -> dict:
     def git(*args):
-        r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+        try:
+            r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+        except OSError:  # no git on this machine (e.g. a bare GPU box): provenance says unknown
+            return None
         return r.stdout.strip() if r.returncode == 0 else None
 
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
@@ -199,7 +209,8 @@ def provenance(cfg: Config) -> dict:
     return {
         "stack": stack,
         "packages": package_versions(),
-        "patch_series_sha256": patch_series_hash("speculators", stack.get("SPECULATORS_VERSION", "")),
+        # the series of the speculators that runs in this process (a vllm-0.16 run trains with 0.9.0)
+        "patch_series_sha256": patch_series_hash("speculators", installed_version("speculators") or ""),
         "git": git_commit(),
         "host": host_facts(),
         "image": image_facts(),

@@ -433,7 +433,9 @@ KIMI_DEV = "CONFIG=configs/kimi-k2.5-devbox.toml"
 
 
 def test_old_targets_unchanged():
-    assert ok("test") == "docker/setup-venv.sh vllm-0.32 .venv\n.venv/bin/python -m pytest tests \n"
+    assert ok("test") == ("docker/setup-venv.sh vllm-0.32 .venv\ndocker/setup-venv.sh vllm-0.16 .venv-vllm-0.16\n"
+                          "EAGLE3_REQUIRE_LEGACY=1 .venv/bin/python -m pytest tests \n")
+    assert ok("setup", "STACK=vllm-0.16") == "docker/setup-venv.sh vllm-0.16 .venv-vllm-0.16\n"
     assert ok("demo") == "docker/setup-venv.sh vllm-0.32 .venv\n.venv/bin/python -m pipeline all --config configs/smollm2-cpu.toml \n"
     assert ok("patch-check") == "docker/setup-venv.sh vllm-0.32 .venv\n.venv/bin/python patches/apply.py check --all\n"
     assert ok("setup") == "docker/setup-venv.sh vllm-0.32 .venv\n"
