@@ -54,6 +54,8 @@ class DataConfig:
     max_new_tokens: int = 256
     seq_length: int = 1024  # tokenized samples are truncated to this many tokens
     min_assistant_tokens: int = 4  # samples with fewer loss-masked tokens are dropped
+    # assistant reasoning (<think>...</think> / reasoning_content): "keep" | "drop" | "final_only" (rendered, not trained)
+    reasoning: str = "keep"
     engine: str = "vllm"  # regeneration engine: "vllm" or "hf" (transformers; where vLLM is absent)
     batch_size: int = 32  # hf engine only
 
@@ -173,6 +175,7 @@ _CHOICES = {
     ("model", "dtype"): {"bfloat16", "float16", "float32"},
     ("eval", "dtype"): {"bfloat16", "float16", "float32"},
     ("data", "engine"): {"vllm", "hf"},
+    ("data", "reasoning"): {"keep", "drop", "final_only"},
     ("extract", "engine"): {"vllm", "hf"},
     ("eval", "engine"): {"vllm", "hf"},
     ("data", "source"): {"sharegpt"},
