@@ -221,7 +221,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     for src, style, label in ((train, "-", "train"), (val, "o--", "val")):
         if not src:
             continue
-        x = [r.get("global_step") or r.get("step") or 0 for r in src] if label == "train" else [r.get("epoch", 0) for r in src]
+        x = [r.get("global_step") or r.get("step") or 0 for r in src]  # val rows carry the step they ran at
         metrics = src[0][label]
         for key in sorted(k for k in metrics if k.startswith("loss_")):
             axes[0].plot(x, [r[label].get(key) for r in src], style, label=f"{label} {key}")
@@ -229,8 +229,8 @@ def plot_curves(rows: list[dict], path: Path) -> None:
             axes[1].plot(x, [r[label].get(key) for r in src], style, label=f"{label} {key}")
     axes[0].set_title("loss per TTT position")
     axes[1].set_title("accuracy per TTT position")
-    axes[0].set_xlabel("train: step / val: epoch")
-    axes[1].set_xlabel("train: step / val: epoch")
+    axes[0].set_xlabel("optimizer step (val: end of each epoch)")
+    axes[1].set_xlabel("optimizer step (val: end of each epoch)")
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
