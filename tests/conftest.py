@@ -94,6 +94,14 @@ def data_run(smollm2, runs_dir):
     return cfg
 
 
+@pytest.fixture(scope="session")
+def trained_run(data_run):
+    """data_run carried through vocab, train, eval and report (real speculators, real vLLM)."""
+    for step in ("vocab", "train", "eval", "report"):
+        run(data_run, step)
+    return data_run
+
+
 def clone_run(cfg, name: str, runs_dir, **sections):
     """A copy of a run under another name (same inputs), to break without touching the original."""
     shutil.copytree(cfg.run_dir, runs_dir / name, symlinks=True)

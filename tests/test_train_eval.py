@@ -20,13 +20,6 @@ from pipeline.train import check_draft_checkpoint
 from tests.conftest import LAYER_IDS, REPO, clone_run
 
 
-@pytest.fixture(scope="session")
-def trained_run(data_run):
-    for step in ("vocab", "train", "eval", "report"):
-        run(data_run, step)
-    return data_run
-
-
 def test_vocab_maps_are_offsets_and_cover_assistant_tokens(data_run):
     run(data_run, "vocab")
     out = data_run.step_dir("vocab")
