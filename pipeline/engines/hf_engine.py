@@ -1,0 +1,246 @@
+"""transformers ("hf") engine: generation and hidden-state extraction where vLLM is absent.
+
+Same inputs and outputs as the vLLM engines, so the steps downstream cannot tell them apart:
+  generate()    regeneration for `prepare` (data.engine = "hf"): Generation(text, token_ids, finish_reason)
+                in prompt order; token_ids end with the EOS token when one was generated (as vLLM's do),
+                text is decoded without special tokens.
+  extract_hf()  hidden states for `extract` (extract.engine = "hf"): one file per sample,
+                {"hidden_states": [T, len(layer_ids), H] (model dtype), "token_ids": int64 [T]}, layers in
+                the given ascending vLLM-convention ids (id k = residual stream entering decoder layer k,
+                id N = output of the last decoder layer before the final norm), written to a temporary
+                name and renamed, so a file is complete or absent.
+
+Both sort the work by length and batch it (left padding for generation, right padding for
+extraction), run on CUDA when available and loop over tokens only as decode steps (never per sample).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .hf_reference import decoder_layers
+from .vllm_offline import Generation
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_target(path, dtype: str, trust_remote_code: bool = False, dev: torch.device | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                 trust_remote_code=trust_remote_code)
+    return model.to(dev or device()).eval()
+
+
+def stop_token_ids(path, tok, model=None) -> set[int]:
+    """What vLLM stops on: the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
+    ids: set[int] = set()
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    gen = None
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(str(path)).eos_token_id
+    except OSError:  # no generation_config.json: transformers derives it from config.json
+        gen = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if gen is not None:
+        ids.update(int(x) for x in (gen if isinstance(gen, (list, tuple)) else [gen]))
+    return ids
+
+
+@contextlib.contextmanager
+def capture_layers(model, layer_ids: list[int]):
+    """Forward hooks that record the vLLM-convention hidden states `layer_ids` of every forward pass.
+
+    Yields a dict that each forward fills with {id: [B, T, H]}: id 0 is the embedding output, id k > 0
+    the output of decoder layer k - 1 (the residual stream entering layer k; id N is therefore the
+    last layer's output before the final norm, as vLLM's aux hidden states and its extraction)."""
+    layers = decoder_layers(model)
+    n = len(layers)
+    bad = [i for i in layer_ids if not 0 <= i <= n]
+    if bad:
+        raise ValueError(f"layer ids {bad} out of range for a {n}-layer model (vLLM convention: 0..{n})")
+    store: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def hook_for(lid):
+        def hook(_mod, _inp, out):
+            store[lid] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    try:
+        for lid in layer_ids:
+            mod = model.get_input_embeddings() if lid == 0 else layers[lid - 1]
+            handles.append(mod.register_forward_hook(hook_for(lid)))
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------------------------
+# generation
+
+
+def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop: set[int],
+                   gen: torch.Generator | None = None, pad_id: int = 0) -> list[tuple[list[int], str]]:
+    """One left-padded batch: (token ids, finish reason) per prompt. EOS stops a row (and is kept)."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
+    cache = DynamicCache()
+    out = torch.empty((b, 0), dtype=torch.long, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    ends = torch.full((b,), max_new_tokens, dtype=torch.long, device=dev)  # output length per row
+    for step in range(max_new_tokens):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        nxt = _sample(logits, temperature, gen)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        hit = torch.isin(nxt, stop_t) & ~done
+        ends = torch.where(hit, torch.full_like(ends, step + 1), ends)
+        done |= hit
+        if bool(done.all()):
+            break
+        ids = nxt[:, None]
+        pos = pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
+    out_l, ends_l, done_l = out.tolist(), ends.tolist(), done.tolist()
+    return [(row[:e], "stop" if d else "length") for row, e, d in zip(out_l, ends_l, done_l)]
+
+
+def generate(model_path, prompts: list[list[int]], *, dtype: str = "bfloat16", batch_size: int = 32,
+             trust_remote_code: bool = False, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             progress: bool = True) -> list[Generation]:
+    """Batched generation with the target in transformers: greedy (temperature 0, deterministic) or
+    pure temperature sampling (no top-k/top-p, as vLLM's SamplingParams(temperature=...)).
+
+    Prompts are sorted by length (longest first, so a batch that does not fit fails at once) and
+    generated `batch_size` at a time with left padding; results come back in prompt order."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    if not prompts:
+        return []
+    model = load_target(model_path, dtype, trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+    stop = stop_token_ids(model_path, tok, model)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    results: list[Generation | None] = [None] * len(prompts)
+    with tqdm(total=len(prompts), unit="prompt", desc="generate (hf)", disable=not progress) as bar:
+        for s in range(0, len(order), max(batch_size, 1)):
+            idx = order[s: s + max(batch_size, 1)]
+            outs = generate_batch(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                                  temperature=temperature, stop=stop, gen=gen, pad_id=pad_id)
+            for i, (ids, reason) in zip(idx, outs):
+                results[i] = Generation(tok.decode(ids, skip_special_tokens=True), ids, reason)
+            bar.update(len(idx))
+    del model
+    return results  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------------------------
+# extraction
+
+
+def token_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices sorted by length (longest first), cut into batches whose padded size
+    (count x longest) stays within `token_budget` (a sample longer than the budget goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@torch.inference_mode()
+def hidden_states_batch(model, seqs: list[list[int]], layer_ids: list[int], pad_id: int = 0) -> list[torch.Tensor]:
+    """[T_i, len(layer_ids), H] per sequence from one right-padded forward pass (model dtype)."""
+    dev = next(model.parameters()).device
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[r, : len(s)] = 1
+    with capture_layers(model, layer_ids) as got:
+        model(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False, logits_to_keep=1)
+    stacked = torch.stack([got[lid] for lid in layer_ids], dim=2)  # [B, W, L, H]
+    return [stacked[r, : len(s)] for r, s in enumerate(seqs)]
+
+
+def extract_hf(cfg, todo: list[tuple[str, int, list[int]]], out: Path, layer_ids: list[int], hidden: int) -> dict:
+    """Hidden states of `todo` samples into out/<split>/hs_<index>.safetensors (see module doc).
+
+    Batches hold up to extract.batch_size x data.seq_length padded tokens, longest samples first."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from ..hidden_states import check_header, file_name
+    from ..manifest import StepError
+
+    if not todo:
+        return {"extract_s": 0.0, "tokens_extracted": 0}
+    model = load_target(cfg.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+    dtype = getattr(torch, cfg.model.dtype)
+    budget = max(cfg.extract.batch_size, 1) * max(cfg.data.seq_length, max(len(t[2]) for t in todo))
+    batches = token_batches([len(t[2]) for t in todo], budget)
+    print(f"[extract] hf engine on {device()}: {len(todo)} samples in {len(batches)} batches "
+          f"(<= {budget} padded tokens each), {cfg.model.dtype}")
+    tokens = 0
+    t0 = time.time()
+    with tqdm(total=sum(len(t[2]) for t in todo), unit="tok", desc="extract (hf)") as bar:
+        for batch in batches:
+            items = [todo[i] for i in batch]
+            states = hidden_states_batch(model, [ids for _, _, ids in items], layer_ids)
+            for (split, i, ids), hs in zip(items, states):
+                final = out / split / file_name(i)
+                tmp = final.with_name(f".{final.name}.tmp")
+                try:
+                    save_file({"hidden_states": hs.to(dtype).contiguous().cpu(),
+                               "token_ids": torch.tensor(ids, dtype=torch.int64)}, str(tmp))
+                    reason = check_header(tmp, len(ids), len(layer_ids), hidden)
+                    if reason:
+                        raise StepError(f"sample {split}/{i}: the hf engine wrote a wrong file: {reason}")
+                    os.replace(tmp, final)
+                finally:
+                    tmp.unlink(missing_ok=True)
+                tokens += len(ids)
+                bar.update(len(ids))
+    seconds = time.time() - t0
+    del model
+    return {"extract_s": round(seconds, 1), "tokens_extracted": tokens}
