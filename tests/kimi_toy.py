@@ -30,33 +30,10 @@ def fast_kimi_tokenizer():
 
 def slow_kimi_tokenizer():
     """A pure-Python tokenizer (transformers' slow backend): characters + added special tokens, no offsets."""
-    from transformers import PreTrainedTokenizer
-
-    class CharTokenizer(PreTrainedTokenizer):
-        def __init__(self, **kw):
-            chars = [chr(i) for i in range(32, 127)] + ["\n", "?"]
-            self._vocab = {c: i for i, c in enumerate(dict.fromkeys(chars))}
-            self._inv = {i: c for c, i in self._vocab.items()}
-            super().__init__(**kw)
-
-        @property
-        def vocab_size(self):
-            return len(self._vocab)
-
-        def get_vocab(self):
-            return {**self._vocab, **self.added_tokens_encoder}
-
-        def _tokenize(self, text, **kw):
-            return [c if c in self._vocab else "?" for c in text]
-
-        def _convert_token_to_id(self, token):
-            return self._vocab.get(token, self._vocab["?"])
-
-        def _convert_id_to_token(self, index):
-            return self._inv.get(index, "?")
-
-        def convert_tokens_to_string(self, tokens):
-            return "".join(tokens)
+    # One definition of the toy tokenizer: the same source the remote-code test writes to disk.
+    ns: dict = {}
+    exec(REMOTE_TOKENIZER_SOURCE, ns)
+    CharTokenizer = ns["ToyKimiTokenizer"]
 
     tok = CharTokenizer(bos_token="[BOS]", eos_token="<|im_end|>", pad_token="[EOS]",
                         additional_special_tokens=SPECIALS)
