@@ -3,6 +3,7 @@ extraction (same files, same tensors), regeneration (same greedy tokens) and eva
 same spec-decode counters). Also the hf EAGLE-3 draft against speculators' own (training) forward."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import subprocess
@@ -16,6 +17,17 @@ from tests.conftest import LAYER_IDS, REPO
 
 
 MIN_COSINE = 0.999
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Token-by-token decoding on CPU: one thread (two wait on each other on a busy 2-core host)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _cosines(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -75,13 +87,40 @@ def test_hf_greedy_generation_matches_vllm(trained_run):
     assert req["dtype"] == "float32"
     prompts = req["prompts"][:3]
     assert len(set(map(len, prompts))) > 1  # the batch really is padded
-    gens = generate(req["model"], prompts, dtype="float32", batch_size=3, max_new_tokens=req["max_tokens"],
-                    temperature=0.0, seed=0)
+    with _one_thread():
+        gens = generate(req["model"], prompts, dtype="float32", batch_size=3, max_new_tokens=req["max_tokens"],
+                        temperature=0.0, seed=0)
     stop = stop_token_ids(req["model"], AutoTokenizer.from_pretrained(req["model"]))
     for g, ids, text in zip(gens, res["outputs"], res["texts"]):
         assert g.token_ids == ids
         assert g.text == text
         assert g.finish_reason == ("stop" if ids[-1] in stop else "length")
+
+
+def test_hf_generation_stops_rows_at_eos(smollm2):
+    """In one left-padded batch, a row that ends (EOS kept, "stop") leaves the others running; every
+    row is what the one-prompt greedy decoder gives."""
+    from transformers import AutoTokenizer
+
+    from pipeline.engines.hf_engine import generate, load_target
+    from pipeline.engines.hf_spec_eval import decode
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompts = []
+    for text in ("Say hello.", "Reply with one word: is the sky blue?", "Write a long poem about the sea."):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+        prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
+    with _one_thread():
+        gens = generate(smollm2, prompts, dtype="float32", batch_size=3, max_new_tokens=24, progress=False)
+        target = load_target(smollm2, "float32")
+        refs = [decode(target, p, max_tokens=24, max_model_len=1024, stop={tok.eos_token_id}) for p in prompts]
+    assert [g.token_ids for g in gens] == refs
+    reasons = [g.finish_reason for g in gens]
+    assert "stop" in reasons and "length" in reasons, reasons
+    for g in gens:
+        assert (g.token_ids[-1] == tok.eos_token_id) == (g.finish_reason == "stop")
+        assert len(g.token_ids) == 24 or g.finish_reason == "stop"
+        assert g.text == tok.decode(g.token_ids, skip_special_tokens=True)
 
 
 def _spec(result: dict, k: int) -> dict:
@@ -214,10 +253,12 @@ def test_hf_spec_decode_accepts_and_counts_like_vllm(smollm2):
     prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
     target = load_target(smollm2, "float32")
     k, max_tokens, every = 3, 30, 4
-    greedy = decode(target, prompt, max_tokens=max_tokens + k, max_model_len=1024, stop=set())
     stats = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": [0] * k}
-    draft = _ScriptedDraft(greedy, len(prompt), every)
-    got = decode(target, prompt, max_tokens=max_tokens, max_model_len=1024, stop=set(), draft=draft, k=k, stats=stats)
+    with _one_thread():
+        greedy = decode(target, prompt, max_tokens=max_tokens + k, max_model_len=1024, stop=set())
+        draft = _ScriptedDraft(greedy, len(prompt), every)
+        got = decode(target, prompt, max_tokens=max_tokens, max_model_len=1024, stop=set(), draft=draft, k=k,
+                     stats=stats)
     assert got == greedy[:max_tokens]
 
     # replay: a draft per verification step, counted in full even where it runs past max_tokens

@@ -20,8 +20,9 @@ following vLLM 0.32's Eagle3LlamaForCausalLM and EagleProposer:
     equal to its greedy argmax is accepted, plus its next token (correction or bonus).
 Counting follows vLLM's scheduler and SpecDecodingStats: a "draft" is one verified proposal (made after
 every target step, including the prefill, and counted when the next step verifies it, so never after
-the request finished); draft_tokens adds the number of proposed tokens actually scheduled (K, fewer only
-where max_model_len cuts it, none when max_tokens is near: vLLM schedules all K and truncates after);
+the request finished); draft_tokens adds the number of proposed tokens actually scheduled (K; fewer only
+where max_model_len cuts the step, never because max_tokens is near: vLLM schedules all K and truncates
+the output afterwards);
 accepted_tokens adds the verified prefix length, counted before the output is truncated at EOS or
 max_tokens (tokens accepted past either still count, as in vLLM); accepted_per_pos[i] counts drafts whose
 first i+1 tokens were accepted.
@@ -29,6 +30,7 @@ first i+1 tokens were accepted.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -311,6 +313,10 @@ def main(request_path: str, result_path: str) -> None:
 
     req = json.loads(Path(request_path).read_text())
     dev = device()
+    if dev.type == "cpu":
+        # Decoding one sequence is a stream of small ops: on a busy 2-core host, 2 OpenMP threads
+        # wait on each other at every op (measured 5-9x slower than 1 thread here).
+        torch.set_num_threads(int(os.environ.get("HF_SPEC_EVAL_CPU_THREADS", "1")))
     dtype = getattr(torch, req["dtype"])
     torch.manual_seed(req.get("seed", 0))
     spec = req.get("speculative_config") or None
