@@ -118,14 +118,18 @@ def stack_description(stack: str) -> dict[str, str]:
 
 
 def patch_series_hash(dist: str, version: str) -> str | None:
-    applier = REPO_ROOT / "patches" / "apply.py"
-    if not applier.exists() or not (REPO_ROOT / "patches" / dist / version / "series").exists():
+    if not (REPO_ROOT / "patches" / "apply.py").exists() or not (REPO_ROOT / "patches" / dist / version / "series").exists():
         return None
-    spec = importlib.util.spec_from_file_location("_patch_applier", applier)
+    return load_applier().series_sha256(dist, version)
+
+
+def load_applier():
+    """patches/apply.py as a module (it is a stand-alone script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("_patch_applier", REPO_ROOT / "patches" / "apply.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses in the applier look their module up here
     spec.loader.exec_module(mod)
-    return mod.series_sha256(dist, version)
+    return mod
 
 
 def git_commit() -> dict:

@@ -14,7 +14,6 @@ package and putting it first on PYTHONPATH; the venv itself is never modified.
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
@@ -32,6 +31,7 @@ from pipeline.config import load_config
 from pipeline.engines.legacy_generator import batches, check_result
 from pipeline.hidden_states import file_name
 from pipeline.manifest import read_manifest
+from pipeline.manifest import load_applier
 from tests.conftest import LAYER_IDS, REPO, clone_run
 
 LEGACY_VENV = REPO / ".venv-vllm-0.16"
@@ -41,15 +41,7 @@ MODEL = REPO / "data" / "models" / "SmolLM2-135M-Instruct"
 N_LAYERS = 30
 
 
-def _load_apply():
-    spec = importlib.util.spec_from_file_location("patches_apply", REPO / "patches" / "apply.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ap = _load_apply()
+ap = load_applier()
 PATCHES = ap.read_series("speculators", "0.3.0")
 PATCH = {p.name.split("-", 1)[0]: p for p in PATCHES}  # "0007" -> path
 UNIQUE_REPLY, PREFIX_CACHING, BUDGET_283, CONVENTION = "0007", "0006", "0009", "0010"

@@ -24,7 +24,6 @@ Environment overrides (no config keys for them yet):
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -32,18 +31,10 @@ from pathlib import Path
 
 from ..config import REPO_ROOT, Config
 from ..hidden_states import file_name
-from ..manifest import StepError
+from ..manifest import StepError, load_applier
 
 SPECULATORS_VERSION = "0.3.0"
 CALL_BUDGETS = 2  # tokens per generate() call = 2 x the per-step token budget (the series handles > budget)
-
-
-def _applier():
-    spec = importlib.util.spec_from_file_location("_patch_applier", REPO_ROOT / "patches" / "apply.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def patch_state() -> dict:
@@ -60,7 +51,7 @@ def patch_state() -> dict:
             f"({sys.executable}); run the extract step with .venv-vllm-0.16/bin/python "
             f"(build it with `docker/setup-venv.sh vllm-0.16 .venv-vllm-0.16`)"
         )
-    ap = _applier()
+    ap = load_applier()
     states = ap.series_status("speculators", site, version=version)
     return {
         "speculators_path": str(site),
