@@ -92,6 +92,7 @@ class TrainConfig:
     ttt_steps: int = 3
     total_seq_len: int = 1024
     num_layers: int = 1
+    max_samples: int = 0  # 0: the whole train split; N: its first N samples (a seeded random subset; data-size ablations)
     extra_args: list[str] = field(default_factory=list)
     # Several training processes via torchrun (DDP through speculators; FSDP with extra_args
     # ["--fsdp-shard"]). 1 x 1 = the single-process path. On several nodes every node runs `make train`
@@ -114,6 +115,9 @@ class EvalConfig:
     untrained_floor: bool = True
     allow_precision_mismatch: bool = False
     engine: str = "vllm"  # "vllm" (spec-decode counters) or "hf" (exact greedy chain spec decoding in PyTorch)
+    # "mtbench" (first turns, the reference workload) or "heldout" (first user turns of this run's eval split:
+    # the training distribution without its answers, to tell distribution shift from training defects)
+    prompts: str = "mtbench"
 
 
 @dataclass

@@ -34,15 +34,37 @@ def spec_metrics(spec: dict, k: int) -> dict:
     }
 
 
-def mtbench_prompts(cfg: Config, tok) -> list[list[int]]:
-    questions = load_mtbench(cfg.run.stack)[: cfg.eval.max_prompts]
+def first_turns(cfg: Config) -> list[list[dict]]:
+    """The eval prompts as chat messages: MT-bench first turns, or the first user turn (with its system
+    message, if any) of each conversation in this run's eval split, selected exactly as prepare selects."""
+    if cfg.eval.prompts == "mtbench":
+        return [[{"role": "user", "content": q["turns"][0]}] for q in load_mtbench(cfg.run.stack)][: cfg.eval.max_prompts]
+    if cfg.eval.prompts != "heldout":
+        raise StepError(f"eval.prompts = {cfg.eval.prompts!r} in {cfg.source_path or 'the config'}; use 'mtbench' or 'heldout'")
+    from .datasets import load_conversations, near_duplicates
+    from .prepare import select
+
+    convs, _ = load_conversations(cfg.run.stack, cfg.data.path)
+    contaminated = near_duplicates(convs, [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]])
+    held = [c for c in select([c for c in convs if c["id"] not in contaminated], cfg) if c["split"] == "eval"]
+    turns = []
+    for c in held:
+        first_user = next(i for i, m in enumerate(c["messages"]) if m["role"] == "user")
+        turns.append(c["messages"][: first_user + 1])
+    return turns[: cfg.eval.max_prompts]
+
+
+def eval_prompts(cfg: Config, tok) -> list[list[int]]:
     prompts = []
-    for q in questions:
-        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=True, add_generation_prompt=True)
-        prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
+    for messages in first_turns(cfg):
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        if len(ids) + cfg.eval.max_tokens <= cfg.model.max_model_len:  # a held-out prompt may be long
+            prompts.append(ids)
     return prompts
 
 
+SET_NAMES = {"mtbench": "MT-bench first turns", "heldout": "held-out first turns of the training data"}
 ENGINES = {"vllm": "pipeline.engines.vllm_eval", "hf": "pipeline.engines.hf_spec_eval"}
 
 
@@ -86,7 +108,7 @@ def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
 
     k = cfg.eval.num_speculative_tokens
     tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts = mtbench_prompts(cfg, tok)
+    prompts = eval_prompts(cfg, tok)
     base_req = {
         "model": str(cfg.model_path), "max_model_len": cfg.model.max_model_len, "dtype": cfg.eval.dtype,
         "seed": cfg.run.seed, "prompts": prompts, "max_tokens": cfg.eval.max_tokens,
@@ -98,7 +120,7 @@ def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
         runs[name] = run_engine(name, {**base_req, "speculative_config": spec}, out, cfg.eval.engine)
     base = runs["baseline"]
     report = {
-        "engine": cfg.eval.engine, "prompts": len(prompts), "max_tokens": cfg.eval.max_tokens,
+        "engine": cfg.eval.engine, "prompt_set": cfg.eval.prompts, "prompts": len(prompts), "max_tokens": cfg.eval.max_tokens,
         "num_speculative_tokens": k, "dtype": cfg.eval.dtype,
         "baseline_tokens_per_s": round(base["output_tokens"] / base["generation_s"], 1),
         "drafters": {},
@@ -151,7 +173,7 @@ def run(cfg: Config, out: Path) -> dict:
 def markdown(r: dict) -> str:
     k = r["num_speculative_tokens"]
     lines = [
-        f"# Acceptance on MT-bench first turns ({r['prompts']} prompts, greedy, K={k}, max_tokens={r['max_tokens']}, {r['dtype']})",
+        f"# Acceptance on {SET_NAMES[r.get('prompt_set', 'mtbench')]} ({r['prompts']} prompts, greedy, K={k}, max_tokens={r['max_tokens']}, {r['dtype']})",
         "",
         "| drafter | AL (1 + acc/drafts) | acceptance rate | " + " | ".join(f"pos {i}" for i in range(k))
         + " | tok/s | speedup | outputs = baseline |",
@@ -180,7 +202,7 @@ def plot(r: dict, path: Path) -> None:
     ax.set_xticks([i + width * (len(r["drafters"]) - 1) / 2 for i in range(k)], [f"pos {i}" for i in range(k)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("accepted / drafts")
-    ax.set_title(f"Per-position acceptance, MT-bench ({r['prompts']} prompts, K={k})")
+    ax.set_title(f"Per-position acceptance, {SET_NAMES[r.get('prompt_set', 'mtbench')]} ({r['prompts']} prompts, K={k})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -189,19 +211,21 @@ def plot(r: dict, path: Path) -> None:
 
 if __name__ == "__main__":
     # Evaluate checkpoints made elsewhere (e.g. trained on a GPU machine and brought back):
-    #   python -m pipeline.evaluate --config C --out DIR name=CKPT_DIR [name=CKPT_DIR ...]
+    #   python -m pipeline.evaluate --config C [--set eval.prompts=heldout] --out DIR name=CKPT_DIR [...]
     import argparse
 
+    from .__main__ import parse_set
     from .config import load_config
     from .env import setup_env
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     ap.add_argument("drafts", nargs="+", metavar="NAME=CKPT_DIR")
     a = ap.parse_args()
     setup_env()
-    c = load_config(a.config)
+    c = load_config(a.config, parse_set(a.set))
     o = Path(a.out)
     o.mkdir(parents=True, exist_ok=True)
     ds = {n: Path(p) for n, p in (d.split("=", 1) for d in a.drafts)}

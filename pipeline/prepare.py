@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, tokenize_conversation
 from .config import Config
 from .datasets import load_conversations, load_mtbench, near_duplicates
+from .engines.vllm_offline import Generation
 from .manifest import StepError
+
+
+SPLIT_DIRS = ("train", "eval")
 
 
 def seeded_key(seed: int, cid: str) -> str:
@@ -66,8 +71,10 @@ def run(cfg: Config, out: Path) -> dict:
         raise StepError(f"{cfg.model_path}: the tokenizer has no chat template; training data needs one")
     n_selected = len(selected)
     reasoning = reasoning_mode(cfg)
-    regen = regenerate(cfg, tok, selected) if cfg.data.regenerate != "off" else {}
+    regen = regenerate(cfg, tok, selected, out) if cfg.data.regenerate != "off" else {}
 
+    for split in SPLIT_DIRS:  # left by an interrupted run (same inputs; the step folder is kept to resume)
+        shutil.rmtree(out / split, ignore_errors=True)
     rows = {"train": [], "eval": []}
     rejected: dict[str, int] = {}
     with open(out / "conversations.jsonl", "w") as f:
@@ -93,6 +100,7 @@ def run(cfg: Config, out: Path) -> dict:
     for split, r in rows.items():
         columns = {k: [row[k] for row in r] for k in _features()}
         Dataset.from_dict(columns, features=_features()).save_to_disk(str(out / split))
+    (out / REGEN_CACHE).unlink(missing_ok=True)  # its answers are in conversations.jsonl now
     tokens = sum(r["seq_len"] for rs in rows.values() for r in rs)
     assistant = sum(sum(r["loss_mask"]) for rs in rows.values() for r in rs)
     return {
@@ -165,17 +173,53 @@ def _features():
     )
 
 
-def regenerate(cfg: Config, tok, selected: list[dict]) -> dict:
-    """Replace assistant turns with the target's own answers (in place), round by round."""
+REGEN_CACHE = "regenerated.partial.jsonl"
+VLLM_CHUNK = 2048  # prompts per vLLM call between two saves of finished answers
+
+
+class RegenCache:
+    """Finished regenerations, appended (and flushed) as they come, so an interrupted `prepare` resumes
+    where it stopped instead of regenerating everything (hours for a large target). The step folder is
+    only reused for the same fingerprint (same model, data and sampling settings); a torn last line
+    from a kill is ignored. At temperature > 0 a resumed run samples the rest with a fresh generator."""
+
+    def __init__(self, path: Path):
+        self.path, self.done = path, {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                self.done[r["key"]] = Generation(r["text"], r["token_ids"], r["finish_reason"])
+        self.file = open(path, "a")
+
+    @staticmethod
+    def key(round_: int, prompt: list[int]) -> str:
+        return hashlib.sha256(json.dumps([round_, prompt]).encode()).hexdigest()
+
+    def add(self, keys: list[str], gens: list) -> None:
+        for k, g in zip(keys, gens):
+            self.done[k] = g
+            self.file.write(json.dumps({"key": k, "text": g.text, "token_ids": list(g.token_ids),
+                                        "finish_reason": g.finish_reason}) + "\n")
+        self.file.flush()
+
+
+def regenerate(cfg: Config, tok, selected: list[dict], out: Path | None = None) -> dict:
+    """Replace assistant turns with the target's own answers (in place), round by round; finished
+    answers are saved as they come (see RegenCache) when `out` is given."""
     budget = cfg.model.max_model_len - cfg.data.max_new_tokens
+    cache = RegenCache(out / REGEN_CACHE) if out is not None else None
     if cfg.data.engine == "hf":
         from .engines import hf_engine
 
         llm = None
 
-        def generate(_llm, prompts, **kw):
+        def generate_all(prompts, save, **kw):
             return hf_engine.generate(cfg.model_path, prompts, dtype=cfg.model.dtype, batch_size=cfg.data.batch_size,
-                                      trust_remote_code=cfg.model.trust_remote_code, **kw)
+                                      trust_remote_code=cfg.model.trust_remote_code,
+                                      on_batch=lambda idx, gens: save([idx_keys[i] for i in idx], gens), **kw)
     else:
         from .engines.vllm_offline import generate, make_llm
 
@@ -183,6 +227,14 @@ def regenerate(cfg: Config, tok, selected: list[dict]) -> dict:
             cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=cfg.run.seed,
             trust_remote_code=cfg.model.trust_remote_code,
         )
+
+        def generate_all(prompts, save, **kw):
+            gens = []
+            for s in range(0, len(prompts), VLLM_CHUNK):
+                chunk = generate(llm, prompts[s: s + VLLM_CHUNK], **kw)
+                save(idx_keys[s: s + len(chunk)], chunk)
+                gens += chunk
+            return gens
     stats = {"engine": cfg.data.engine, "regenerated_turns": 0, "truncated_at_max_new_tokens": 0, "turns_dropped_prompt_too_long": 0}
     thinking = prompt_opens_reasoning(tok)
     if thinking:
@@ -209,8 +261,18 @@ def regenerate(cfg: Config, tok, selected: list[dict]) -> dict:
             prompts.append(prompt)
         if not prompts:
             break
-        print(f"[prepare] regenerating round {r + 1}/{rounds}: {len(prompts)} prompts")
-        gens = generate(llm, prompts, max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, seed=cfg.run.seed)
+        keys = [RegenCache.key(r, p) for p in prompts]
+        todo = [i for i, k in enumerate(keys) if cache is None or k not in cache.done]
+        reused = len(prompts) - len(todo)
+        print(f"[prepare] regenerating round {r + 1}/{rounds}: {len(todo)} prompts"
+              + (f" ({reused} reused from an interrupted run, {out / REGEN_CACHE})" if reused else ""))
+        stats["reused_from_interrupted_run"] = stats.get("reused_from_interrupted_run", 0) + reused
+        idx_keys = [keys[i] for i in todo]
+        save = cache.add if cache is not None else (lambda _k, _g: None)
+        fresh = generate_all([prompts[i] for i in todo], save, max_new_tokens=cfg.data.max_new_tokens,
+                             temperature=cfg.data.temperature, seed=cfg.run.seed) if todo else []
+        got = dict(zip(idx_keys, fresh))
+        gens = [got[k] if k in got else cache.done[k] for k in keys]
         for cid, g in zip(ids, gens):
             content = answer_text(tok, g, thinking)
             if thinking:

@@ -9,7 +9,7 @@ from .manifest import StepError, run_step
 # name: (module with run(cfg, out), config sections, upstream steps, keep partial outputs for resume)
 STEPS = {
     "model": ("model", ("model",), (), False),
-    "prepare": ("prepare", ("run", "data"), ("model",), False),
+    "prepare": ("prepare", ("run", "data"), ("model",), True),  # resumes regeneration
     "extract": ("extract", ("extract",), ("model", "prepare"), True),
     "verify": ("verify", ("verify",), ("model", "extract"), False),
     "vocab": ("vocab", ("vocab",), ("model", "prepare"), False),

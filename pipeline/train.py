@@ -58,6 +58,8 @@ def build_data_dir(cfg: Config, data: Path) -> tuple[int, int]:
     from datasets import concatenate_datasets, load_from_disk
 
     parts = [load_from_disk(str(cfg.step_dir("prepare") / s)) for s in SPLITS]
+    if cfg.train.max_samples:  # prepare's rows are in seeded random order: a prefix is a random subset
+        parts[0] = parts[0].select(range(min(cfg.train.max_samples, len(parts[0]))))
     hs = data / "hidden_states"
     hs.mkdir(parents=True, exist_ok=True)
     j = 0

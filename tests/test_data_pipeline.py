@@ -185,3 +185,27 @@ def test_sharded_extraction_with_a_real_server_is_complete_and_reproducible(data
     # cosine 0.99993, worst token 0.99875. The tolerance below is what this test enforces.
     assert c["min_token_cosine"] > 0.995
     assert c["mean_token_cosine_of_differing"] is None or c["mean_token_cosine_of_differing"] > 0.9995
+
+
+def test_heldout_eval_prompts_are_the_eval_split_first_turns(data_run):
+    """eval.prompts = "heldout": exactly the first user turns of the conversations prepare put in the
+    eval split (never a training conversation); the default stays MT-bench."""
+    import copy
+
+    from pipeline.evaluate import first_turns
+
+    convs = [json.loads(line) for line in (data_run.step_dir("prepare") / "conversations.jsonl").read_text().splitlines()]
+    cfg = copy.deepcopy(data_run)
+    cfg.eval.prompts, cfg.eval.max_prompts = "heldout", 1000
+    held = first_turns(cfg)
+    train_users = {c["messages"][0]["content"] for c in convs if c["split"] == "train"}
+    eval_users = [c["messages"][0]["content"] for c in convs if c["split"] == "eval"]
+    firsts = {m[-1]["content"] for m in held}
+    assert held and all(m[-1]["role"] == "user" and len(m) <= 2 for m in held)
+    assert eval_users and set(eval_users) <= firsts  # prepare may drop some eval conversations, never add
+    assert not firsts & train_users
+    cfg.eval.prompts = "mtbench"
+    assert len(first_turns(cfg)) == min(cfg.eval.max_prompts, 80)
+    cfg.eval.prompts = "sharegpt"
+    with pytest.raises(StepError, match="eval.prompts"):
+        first_turns(cfg)

