@@ -73,6 +73,11 @@ def test_vllm_uses_the_checkpoint_layer_ids_not_its_defaults(trained_run):
     assert f"Using auxiliary layers from speculative config: {tuple(LAYER_IDS[:-1])}" in log
 
 
+# The fixture's drafter (24 conversations, 8 epochs, 8 MT-bench prompts x 48 tokens) measured AL 1.0217 with
+# both evaluators, its untrained twin 1.00. A broken layer id, vocab map or loss mask drops it to the floor.
+FIXTURE_AL_FLOOR = 1.01
+
+
 def test_eval_measures_acceptance_and_exactness(trained_run):
     r = json.loads((trained_run.step_dir("eval") / "eval.json").read_text())
     t, u = r["drafters"]["trained"], r["drafters"]["untrained"]
@@ -83,6 +88,7 @@ def test_eval_measures_acceptance_and_exactness(trained_run):
     assert t["per_position_acceptance"][0] >= t["per_position_acceptance"][1] >= t["per_position_acceptance"][2]
     assert t["all_outputs_identical"], t["first_difference_positions"]  # fp32: exact greedy equality
     assert t["acceptance_length"] > u["acceptance_length"], (t, u)  # training beats the random floor
+    assert t["acceptance_length"] >= FIXTURE_AL_FLOOR, t  # the recipe's mechanics still learn (NOTES.md)
     assert (trained_run.step_dir("eval") / "acceptance.png").exists()
     report = (trained_run.step_dir("report") / "report.md").read_text()
     assert f"AL {t['acceptance_length']}" in report
