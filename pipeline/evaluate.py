@@ -1,6 +1,7 @@
 """`eval` step: how much the trained drafter accelerates the target, measured by vLLM.
 
-Three greedy runs over the same MT-bench first turns, each in its own vLLM process:
+Three greedy runs over the same MT-bench first turns (or, with eval.prompts = "heldout", the first turns of
+this run's eval split), each in its own vLLM process:
   baseline   the target alone
   trained    the target + the trained EAGLE-3 draft (method eagle3, num_speculative_tokens = K)
   untrained  the target + a randomly initialised draft of the same shape (the floor)
@@ -41,12 +42,9 @@ def first_turns(cfg: Config) -> list[list[dict]]:
         return [[{"role": "user", "content": q["turns"][0]}] for q in load_mtbench(cfg.run.stack)][: cfg.eval.max_prompts]
     if cfg.eval.prompts != "heldout":
         raise StepError(f"eval.prompts = {cfg.eval.prompts!r} in {cfg.source_path or 'the config'}; use 'mtbench' or 'heldout'")
-    from .datasets import load_conversations, near_duplicates
-    from .prepare import select
+    from .prepare import selected_conversations
 
-    convs, _ = load_conversations(cfg.run.stack, cfg.data.path)
-    contaminated = near_duplicates(convs, [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]])
-    held = [c for c in select([c for c in convs if c["id"] not in contaminated], cfg) if c["split"] == "eval"]
+    held = [c for c in selected_conversations(cfg)[0] if c["split"] == "eval"]
     turns = []
     for c in held:
         first_user = next(i for i, m in enumerate(c["messages"]) if m["role"] == "user")
@@ -102,7 +100,7 @@ def check_precision(cfg: Config, extract_summary: dict) -> None:
 
 
 def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
-    """The baseline and one speculative run per draft on the config's MT-bench prompts; writes
+    """The baseline and one speculative run per draft on the config's prompts (eval.prompts); writes
     eval.json, eval.md and acceptance.png into `out` and returns the report."""
     from transformers import AutoTokenizer
 

@@ -57,12 +57,17 @@ def load_tokenizer(cfg: Config):
     return AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
 
 
-def run(cfg: Config, out: Path) -> dict:
+def selected_conversations(cfg: Config):
+    """The config's conversations without MT-bench near-duplicates, subset and split by `select`.
+    Returns (selected, load report, ids removed as contaminated); the held-out eval prompts reuse it."""
     convs, report = load_conversations(cfg.run.stack, cfg.data.path)
     questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
     contaminated = near_duplicates(convs, questions)
-    convs = [c for c in convs if c["id"] not in contaminated]
-    selected = select(convs, cfg)
+    return select([c for c in convs if c["id"] not in contaminated], cfg), report, contaminated
+
+
+def run(cfg: Config, out: Path) -> dict:
+    selected, report, contaminated = selected_conversations(cfg)
     if not selected:
         raise StepError(f"no usable conversations in {report.source} (dropped: {report.dropped})")
 
@@ -205,21 +210,24 @@ class RegenCache:
                                         "finish_reason": g.finish_reason}) + "\n")
         self.file.flush()
 
+    def close(self) -> None:
+        self.file.close()
 
-def regenerate(cfg: Config, tok, selected: list[dict], out: Path | None = None) -> dict:
+
+def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
     """Replace assistant turns with the target's own answers (in place), round by round; finished
-    answers are saved as they come (see RegenCache) when `out` is given."""
+    answers are saved as they come (see RegenCache), so a rerun resumes."""
     budget = cfg.model.max_model_len - cfg.data.max_new_tokens
-    cache = RegenCache(out / REGEN_CACHE) if out is not None else None
+    cache = RegenCache(out / REGEN_CACHE)
+    # generate_all(prompts, done, **sampling): `done(indices, generations)` as batches finish
     if cfg.data.engine == "hf":
         from .engines import hf_engine
 
         llm = None
 
-        def generate_all(prompts, save, **kw):
-            return hf_engine.generate(cfg.model_path, prompts, dtype=cfg.model.dtype, batch_size=cfg.data.batch_size,
-                                      trust_remote_code=cfg.model.trust_remote_code,
-                                      on_batch=lambda idx, gens: save([idx_keys[i] for i in idx], gens), **kw)
+        def generate_all(prompts, done, **kw):
+            hf_engine.generate(cfg.model_path, prompts, dtype=cfg.model.dtype, batch_size=cfg.data.batch_size,
+                               trust_remote_code=cfg.model.trust_remote_code, on_batch=done, **kw)
     else:
         from .engines.vllm_offline import generate, make_llm
 
@@ -228,13 +236,10 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path | None = None) 
             trust_remote_code=cfg.model.trust_remote_code,
         )
 
-        def generate_all(prompts, save, **kw):
-            gens = []
+        def generate_all(prompts, done, **kw):
             for s in range(0, len(prompts), VLLM_CHUNK):
                 chunk = generate(llm, prompts[s: s + VLLM_CHUNK], **kw)
-                save(idx_keys[s: s + len(chunk)], chunk)
-                gens += chunk
-            return gens
+                done(range(s, s + len(chunk)), chunk)
     stats = {"engine": cfg.data.engine, "regenerated_turns": 0, "truncated_at_max_new_tokens": 0, "turns_dropped_prompt_too_long": 0}
     thinking = prompt_opens_reasoning(tok)
     if thinking:
@@ -262,17 +267,16 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path | None = None) 
         if not prompts:
             break
         keys = [RegenCache.key(r, p) for p in prompts]
-        todo = [i for i, k in enumerate(keys) if cache is None or k not in cache.done]
+        todo = [k for k in keys if k not in cache.done]
         reused = len(prompts) - len(todo)
         print(f"[prepare] regenerating round {r + 1}/{rounds}: {len(todo)} prompts"
               + (f" ({reused} reused from an interrupted run, {out / REGEN_CACHE})" if reused else ""))
         stats["reused_from_interrupted_run"] = stats.get("reused_from_interrupted_run", 0) + reused
-        idx_keys = [keys[i] for i in todo]
-        save = cache.add if cache is not None else (lambda _k, _g: None)
-        fresh = generate_all([prompts[i] for i in todo], save, max_new_tokens=cfg.data.max_new_tokens,
-                             temperature=cfg.data.temperature, seed=cfg.run.seed) if todo else []
-        got = dict(zip(idx_keys, fresh))
-        gens = [got[k] if k in got else cache.done[k] for k in keys]
+        if todo:
+            prompt_of = dict(zip(keys, prompts))
+            generate_all([prompt_of[k] for k in todo], lambda idx, gens: cache.add([todo[i] for i in idx], gens),
+                         max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, seed=cfg.run.seed)
+        gens = [cache.done[k] for k in keys]
         for cid, g in zip(ids, gens):
             content = answer_text(tok, g, thinking)
             if thinking:
@@ -287,5 +291,6 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path | None = None) 
         c["messages"] = turns
         c["regenerated"] = True
     selected[:] = [c for c in selected if any(m["role"] == "assistant" for m in c["messages"])]
+    cache.close()
     del llm
     return stats

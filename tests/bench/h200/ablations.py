@@ -27,8 +27,7 @@ def load(results: Path) -> dict[str, dict]:
         d = results / "runs" / name / "train"
         if not (d / "metrics.jsonl").exists():
             continue
-        val = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if '"val"' in line]
-        val = [r for r in val if "val" in r]
+        val = [r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "val" in r]
         man = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").exists() else {}
         cfg = man.get("config_sections") or RECIPE  # a run stopped by the time limit has no manifest
         if not man:

@@ -51,6 +51,7 @@ link_run() {
     [ -e "runs/$name/$s" ] || ln -s "../$MAIN/$s" "runs/$name/$s"
   done
 }
+last_ckpt() { ls -d runs/$1/train/checkpoints/[0-9]* 2>/dev/null | sort -t/ -k5 -n | tail -1; }  # last epoch saved
 FEW_WORKERS='train.extra_args=["--loss-implementation","eager","--num-workers","2","--prefetch-factor","2"]'
 
 case $PHASE in
@@ -83,7 +84,7 @@ case $PHASE in
     # the transformers evaluator (exact greedy chain speculative decoding) on MT-bench, every run's last epoch
     pids=()
     for name in $MAIN "${!ABL[@]}"; do
-      ck=$(ls -d runs/$name/train/checkpoints/[0-9]* 2>/dev/null | sort -t/ -k5 -n | tail -1)
+      ck=$(last_ckpt $name)
       [ -n "$ck" ] || { echo "[h200] $name: no checkpoint"; continue; }
       echo "[h200] $name: $ck"
       timeout "$(( $(left) - 40 ))" python3 -m pipeline.evaluate --config $CONFIG --set "$DATA" --set eval.engine=hf \
@@ -91,8 +92,7 @@ case $PHASE in
     done
     wait "${pids[@]}"
     for name in $MAIN "${!ABL[@]}"; do echo "== $name"; grep -E "^\| $name" "$LOGS/eval-$name.log"; done
-    ck=$(ls -d runs/$MAIN/train/checkpoints/[0-9]* | sort -t/ -k5 -n | tail -1)
-    python3 -m pipeline.draft_transfer slim "$ck" "$OUT/draft" --max-mb 15
+    python3 -m pipeline.draft_transfer slim "$(last_ckpt $MAIN)" "$OUT/draft" --max-mb 15
     tar czf "$OUT/results.tgz" runs/*/*/manifest.json runs/*/train/metrics.jsonl runs/*/train/curves.png \
       runs/*/eval-mtbench/eval.json runs/*/vocab/vocab.json runs/$MAIN/verify/parity.json "$LOGS" 2>/dev/null
     ls -la "$OUT" ;;
