@@ -229,6 +229,12 @@ def provenance(cfg: Config) -> dict:
 StepFn = Callable[[Config, Path], dict]
 
 
+def step_fingerprint(cfg: Config, name: str, sections: tuple[str, ...], upstream: tuple[str, ...]) -> tuple[dict, str]:
+    """(upstream outputs hashes, the step's fingerprint): what decides whether outputs in its folder are reused."""
+    inputs = {u: require_manifest(cfg, u)["outputs_hash"] for u in upstream}
+    return inputs, sha256_json({"sections": cfg.section_hash(*sections), "inputs": inputs, "step": name})[:16]
+
+
 def run_step(
     cfg: Config,
     name: str,
@@ -249,8 +255,7 @@ def run_step(
     {"incomplete": reason} while other shards are missing, and no manifest is written then.
     """
     out = cfg.step_dir(name)
-    inputs = {u: require_manifest(cfg, u)["outputs_hash"] for u in upstream}
-    fingerprint = sha256_json({"sections": cfg.section_hash(*sections), "inputs": inputs, "step": name})[:16]
+    inputs, fingerprint = step_fingerprint(cfg, name, sections, upstream)
     old = read_manifest(out)
     if old and old.get("fingerprint") == fingerprint and not force:
         print(f"[{name}] complete for these inputs ({out}); skipping. Use --force to redo.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 from .config import Config
-from .manifest import StepError, run_step
+from .manifest import StepError, run_step, step_fingerprint
 
 # name: (module with run(cfg, out), config sections, upstream steps, keep partial outputs for resume)
 STEPS = {
@@ -31,3 +31,9 @@ def run(cfg: Config, step: str, force: bool = False, shard: tuple[int, int] | No
     module, sections, upstream, keep = STEPS[step]
     fn = importlib.import_module(f"pipeline.{module}").run
     return run_step(cfg, step, fn, sections=sections, upstream=upstream, force=force, keep_partial=keep, shard=shard)
+
+
+def fingerprint(cfg: Config, step: str) -> str:
+    """The fingerprint `run` gives the step's folder for this config and the upstream outputs now on disk."""
+    _, sections, upstream, _ = STEPS[step]
+    return step_fingerprint(cfg, step, sections, upstream)[1]
