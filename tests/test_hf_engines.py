@@ -317,3 +317,35 @@ def test_prepare_resumes_an_interrupted_regeneration(smollm2, runs_dir):
         s = steps.run(cfg, "prepare", force=True)["summary"]  # uninterrupted, from scratch
     assert s["reused_from_interrupted_run"] == 0
     assert (out / "conversations.jsonl").read_text() == resumed
+
+
+def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
+    """tests/bench/h200/seed_regen_cache.py (how a GPU session skips regenerating): a fresh run seeded with an
+    earlier run's conversations generates nothing and ends with the same conversations; a prompt that differs
+    in any token would not match (the cache is keyed by prompt token ids)."""
+    from pipeline import steps
+    from pipeline.config import load_config
+    from pipeline.engines import hf_engine
+    from tests.conftest import SMALL, write_config
+
+    data = {**SMALL["data"], "engine": "hf", "max_conversations": 6, "max_new_tokens": 8, "batch_size": 3}
+    first = load_config(write_config(runs_dir / "seed-a.toml", runs_dir, "seed-a", **{**SMALL, "data": data}))
+    for s in ("model", "prepare"):
+        with _one_thread():
+            steps.run(first, s)
+    earlier = first.step_dir("prepare") / "conversations.jsonl"
+
+    path = write_config(runs_dir / "seed-b.toml", runs_dir, "seed-b", **{**SMALL, "data": data})
+    second = load_config(path)
+    steps.run(second, "model")
+    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--config", str(path),
+                    str(earlier)], check=True, cwd=REPO)
+
+    def must_not_generate(*a, **kw):
+        raise AssertionError("a seeded answer was generated again")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_engine, "generate_batch", must_not_generate)
+        s = steps.run(second, "prepare")["summary"]
+    assert s["reused_from_interrupted_run"] == s["regenerated_turns"] > 0
+    assert (second.step_dir("prepare") / "conversations.jsonl").read_text() == earlier.read_text()
