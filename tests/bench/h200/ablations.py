@@ -18,7 +18,9 @@ from pathlib import Path
 
 RECIPE = tomllib.loads((Path(__file__).resolve().parents[3] / "configs/smollm2-quality-h200.toml").read_text())
 ORDER = ["abl-n500", "abl-n2000", "abl-n8000", "smollm2-quality-h200",
-         "abl-ttt1", "abl-ttt5", "abl-v4096", "abl-v32768", "abl-original"]
+         "abl-ttt1", "abl-ttt5", "abl-v4096", "abl-v32768", "abl-original",
+         # session 4: full 8-epoch schedule; a 2-layer draft; served-ablation runs (their drafts came back)
+         "smollm2-quality-h200-l2", "abl-n2000-e8", "abl-original-all"]
 
 
 def load(results: Path) -> dict[str, dict]:
@@ -69,7 +71,7 @@ def plot(rows: dict[str, dict], path: Path) -> None:
         a.annotate(f"{rows[n]['proxy_al']:.2f}", (rows[n]["train_samples"], rows[n]["proxy_al"]),
                    textcoords="offset points", xytext=(4, -12))
     a.set_xscale("log")
-    a.set_xlabel("training conversations (regenerated, 4 epochs)")
+    a.set_xlabel("training conversations (regenerated)")
     a.set_ylabel("1 + sum of val accuracies (K=3)")
     a.set_title("Data size (held-out val, training-time proxy)")
     for n, r in rows.items():

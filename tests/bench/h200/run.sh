@@ -7,6 +7,10 @@
 #          and the ablations' own data (original answers; other draft vocabularies)
 #   train  (call 3): the recipe and the ablation runs, concurrently on the one GPU
 #   eval   (call 4): the transformers evaluator on MT-bench for every run; the best draft (slim) + results to $OUT
+# Session 4 (1- vs 2-layer drafts, served ablations; answers reused from session 3's regeneration), back to back
+# so the machine stays warm and the detached runs live on between calls:
+#   stage; data with ABLATIONS=0 (also carrying .gpu/regenerated-conversations.jsonl.gz) then launch;
+#   wait (sends the 1-layer draft); send-l2 then launch-served-ablations then `sleep`; send-served-ablations
 # Inputs (.gpu/, .whl/, ignored): see NOTES.md, "Drafter quality", which also has the commands and results.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -79,11 +83,11 @@ case $PHASE in
   train)
     # all runs at once: each is launch-bound, the GPU has room; a timeout leaves each run's finished epochs
     pids=()
-    step train-$MAIN train > /dev/null & pids+=($!)
+    step train-$MAIN train --set train.num_layers=1 > /dev/null & pids+=($!)   # session 3: one layer
     for name in "${!ABL[@]}"; do
       link_run $name
       ( for s in $(own_steps $name); do step data-$name $s --set run.name=$name $(sets $name) > /dev/null; done  # done ones skip
-        step train-$name train --set run.name=$name --set train.epochs=4 --set "$FEW_WORKERS" $(sets $name) > /dev/null ) & pids+=($!)
+        step train-$name train --set run.name=$name --set train.epochs=4 --set train.num_layers=1 --set "$FEW_WORKERS" $(sets $name) > /dev/null ) & pids+=($!)
     done
     wait "${pids[@]}"
     for f in "$LOGS"/train-*.log; do echo "== $f"; grep -E "^\[train\] done|final_val|Error|error" "$f" | tail -3; done ;;
@@ -109,7 +113,7 @@ case $PHASE in
     for name in $MAIN $MAIN-l2; do
       [ $name = $MAIN ] || { mkdir -p runs/$name; for s in model prepare extract verify vocab; do
         [ -e runs/$name/$s ] || ln -s ../$MAIN/$s runs/$name/$s; done; }
-      extra=(); [ $name = $MAIN ] || extra=(--set run.name=$name --set train.num_layers=2)
+      extra=(--set train.num_layers=1); [ $name = $MAIN ] || extra=(--set run.name=$name --set train.num_layers=2)
       setsid nohup python3 -m pipeline train --config $CONFIG --set "$DATA" "${extra[@]}" \
         > "$LOGS/train-$name.log" 2>&1 < /dev/null &
       echo "[h200] $name training detached (pid $!)"
@@ -133,5 +137,24 @@ case $PHASE in
     tar czf "$OUT/results.tgz" runs/$MAIN*/*/manifest.json runs/$MAIN*/train/metrics.jsonl runs/$MAIN*/train/curves.png \
       runs/$MAIN/vocab/vocab.json runs/$MAIN/verify/parity.json "$LOGS" 2>/dev/null
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv; ls -la "$OUT" ;;
+  send-l2)
+    # the 2-layer draft: one tar split in 15 MB pieces (its slim form has 4 weight files)
+    python3 -m pipeline.draft_transfer slim "$(last_ckpt $MAIN-l2)" .cache/l2slim --max-mb 15 \
+      && tar cf - -C .cache l2slim | split -b 15000000 - "$OUT/l2.tar.part." ;;
+  launch-served-ablations)
+    # Two ablations whose drafts come back for the vLLM evaluator, detached like `launch`, full 8 epochs:
+    # the recipe's prompts with ShareGPT's own answers (all of them), and the first 2,000 train samples.
+    mkdir -p runs/abl-original-all runs/abl-n2000-e8; ln -sfn ../$MAIN/model runs/abl-original-all/model
+    for s in model prepare extract verify vocab; do ln -sfn ../$MAIN/$s runs/abl-n2000-e8/$s; done
+    setsid nohup bash -c "for s in prepare extract verify vocab train; do python3 -m pipeline \$s --config $CONFIG \
+      --set $DATA --set run.name=abl-original-all --set data.regenerate=off --set train.num_layers=1 || exit; done" > "$LOGS/original-all.log" 2>&1 < /dev/null &
+    setsid nohup python3 -m pipeline train --config $CONFIG --set "$DATA" --set run.name=abl-n2000-e8 \
+      --set train.max_samples=2000 --set train.num_layers=1 > "$LOGS/n2000-e8.log" 2>&1 < /dev/null & ;;
+  send-served-ablations)
+    for i in $(seq 40); do [ -f runs/abl-original-all/train/manifest.json ] && break; sleep 5; done
+    for r in abl-original-all abl-n2000-e8; do
+      python3 -m pipeline.draft_transfer slim "$(last_ckpt $r)" .cache/slim-$r --max-mb 15 > /dev/null; done
+    tar cf - -C .cache slim-abl-original-all slim-abl-n2000-e8 | split -b 15000000 - "$OUT/abl.tar.part."
+    tar czf "$OUT/results2.tgz" runs/*/*/manifest.json runs/*/train/metrics.jsonl runs/*/train/curves.png "$LOGS" 2>/dev/null ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
 esac
