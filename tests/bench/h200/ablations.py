@@ -79,6 +79,12 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     b.set_xlabel("epoch")
     b.set_title("Per-epoch proxy (first 3 positions), every run")
     b.legend(fontsize=7)
+    save(fig, path)
+
+
+def save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ablations import load
+from ablations import load, save
 
 
 def rows(eval_dir: Path, results: Path, pairs: dict[str, str]) -> list[dict]:
@@ -62,9 +62,7 @@ def plot(rs: list[dict], path: Path) -> None:
     b.set_ylabel("acceptance (cumulative)")
     b.set_title("Per-position acceptance, MT-bench, K=3")
     b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 if __name__ == "__main__":
