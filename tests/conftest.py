@@ -77,6 +77,20 @@ SMALL = dict(
 )
 
 
+@pytest.fixture
+def work(request):
+    """A scratch dir under the repo's .cache (never /tmp), removed afterwards."""
+    import tempfile
+
+    base = REPO / ".cache" / "tmp"
+    base.mkdir(parents=True, exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix=f"{request.module.__name__.rsplit('.', 1)[-1]}-", dir=base))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def runs_dir():
     d = REPO / ".cache" / "test-runs"

@@ -20,7 +20,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -38,17 +37,6 @@ MACHINE_FILES = sorted((REPO / "docker" / "machines").glob("*.yaml"))
 LOCK = REPO / "docker" / "images.lock"
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 FAKE_DIGEST = "sha256:" + "ab" * 32
-
-
-@pytest.fixture
-def work():
-    base = REPO / ".cache" / "tmp"
-    base.mkdir(parents=True, exist_ok=True)
-    d = Path(tempfile.mkdtemp(prefix="test_containers-", dir=base))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------- helpers

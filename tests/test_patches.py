@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -46,18 +45,6 @@ FILES = ap.series_files(PATCHES)
 # ---------------------------------------------------------------------------
 # helpers / fixtures
 # ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def work():
-    """A scratch dir under the repo's .cache (never /tmp), removed afterwards."""
-    base = REPO / ".cache" / "tmp"
-    base.mkdir(parents=True, exist_ok=True)
-    d = Path(tempfile.mkdtemp(prefix="test_patches-", dir=base))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
