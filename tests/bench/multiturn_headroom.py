@@ -25,11 +25,12 @@ def main() -> None:
     ap.add_argument("conversations", type=Path)
     ap.add_argument("--config", default="configs/smollm2-quality.toml")
     a = ap.parse_args()
-    from pipeline.config import load_config
     from pipeline.env import setup_env
+
+    setup_env()  # caches inside the repo, before torch and transformers are imported
+    from pipeline.config import load_config
     from pipeline.prepare import load_tokenizer, selected_conversations
 
-    setup_env()
     cfg = load_config(a.config)
     tok = load_tokenizer(cfg)
     budget = cfg.model.max_model_len - cfg.data.max_new_tokens

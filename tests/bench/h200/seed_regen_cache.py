@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from pipeline.env import setup_env  # noqa: E402
+
+setup_env()  # caches inside the repo, before torch and transformers are imported
 from pipeline.__main__ import parse_set  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.prepare import REGEN_CACHE, RegenCache  # noqa: E402
