@@ -50,6 +50,12 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a prompt that asks for the next assistant answer (generation prompt appended)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return ids if isinstance(ids, list) else ids["input_ids"]
+
+
 def template_renders_reasoning(tokenizer) -> bool:
     """Whether the chat template renders an assistant message's `reasoning_content` field."""
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": _PROBE}]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .chat import prompt_ids
 from .config import REPO_ROOT, Config
 from .datasets import load_mtbench
 from .manifest import StepError, require_manifest
@@ -55,8 +56,7 @@ def first_turns(cfg: Config) -> list[list[dict]]:
 def eval_prompts(cfg: Config, tok) -> list[list[int]]:
     prompts = []
     for messages in first_turns(cfg):
-        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        ids = prompt_ids(tok, messages)
         if len(ids) + cfg.eval.max_tokens <= cfg.model.max_model_len:  # a held-out prompt may be long
             prompts.append(ids)
     return prompts

@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, tokenize_conversation
+from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, prompt_ids, tokenize_conversation
 from .config import Config
 from .datasets import load_conversations, load_mtbench, near_duplicates
 from .engines.vllm_offline import Generation
@@ -255,10 +255,7 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
         for cid in pending:
             if r >= len(users[cid]):
                 continue
-            msgs = history[cid] + [users[cid][r]]
-            prompt = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-            if not isinstance(prompt, list):
-                prompt = prompt["input_ids"]
+            prompt = prompt_ids(tok, history[cid] + [users[cid][r]])
             if len(prompt) > budget:
                 stats["turns_dropped_prompt_too_long"] += 1
                 continue

@@ -28,6 +28,7 @@ def main() -> None:
     from pipeline.env import setup_env
 
     setup_env()  # caches inside the repo, before torch and transformers are imported
+    from pipeline.chat import prompt_ids
     from pipeline.config import load_config
     from pipeline.prepare import load_tokenizer, selected_conversations
 
@@ -50,8 +51,7 @@ def main() -> None:
         history = [m for m in c["messages"] if m["role"] == "system"] + [users[0], {"role": "assistant", "content": answers[c["id"]]}]
         extra = 0  # tokens of estimated (not real) answers after round 2
         for r in range(1, len(users)):
-            prompt = tok.apply_chat_template(history + [users[r]], tokenize=True, add_generation_prompt=True)
-            n = len(prompt if isinstance(prompt, list) else prompt["input_ids"]) + extra
+            n = len(prompt_ids(tok, history + [users[r]])) + extra
             if n > budget:
                 break
             per_round[r + 1] = per_round.get(r + 1, 0) + 1

@@ -47,7 +47,7 @@ declare -A ABL=(
 )
 sets() { local a=(); for kv in ${ABL[$1]}; do a+=(--set "$kv"); done; echo "${a[@]}"; }
 own_steps() {  # the upstream steps an ablation recomputes instead of linking to the recipe's
-  case $1 in abl-v*) echo vocab ;; abl-original) echo "prepare extract verify vocab" ;; *) echo "" ;; esac; }
+  case $1 in abl-v*) echo vocab ;; abl-original*) echo "prepare extract verify vocab" ;; *) echo "" ;; esac; }
 link_run() {
   local name=$1 own; own=$(own_steps "$name"); mkdir -p "runs/$name"
   for s in model prepare extract verify vocab; do
@@ -110,9 +110,8 @@ case $PHASE in
   launch)
     # Draft capacity (session 4): the recipe's full 8 epochs with 1 and with 2 decoder layers, concurrently and
     # detached (setsid), so training runs on across back-to-back device calls without recompiling.
+    link_run $MAIN-l2
     for name in $MAIN $MAIN-l2; do
-      [ $name = $MAIN ] || { mkdir -p runs/$name; for s in model prepare extract verify vocab; do
-        [ -e runs/$name/$s ] || ln -s ../$MAIN/$s runs/$name/$s; done; }
       extra=(--set train.num_layers=1); [ $name = $MAIN ] || extra=(--set run.name=$name --set train.num_layers=2)
       setsid nohup python3 -m pipeline train --config $CONFIG --set "$DATA" "${extra[@]}" \
         > "$LOGS/train-$name.log" 2>&1 < /dev/null &
@@ -144,8 +143,7 @@ case $PHASE in
   launch-served-ablations)
     # Two ablations whose drafts come back for the vLLM evaluator, detached like `launch`, full 8 epochs:
     # the recipe's prompts with ShareGPT's own answers (all of them), and the first 2,000 train samples.
-    mkdir -p runs/abl-original-all runs/abl-n2000-e8; ln -sfn ../$MAIN/model runs/abl-original-all/model
-    for s in model prepare extract verify vocab; do ln -sfn ../$MAIN/$s runs/abl-n2000-e8/$s; done
+    link_run abl-original-all; link_run abl-n2000-e8
     setsid nohup bash -c "for s in prepare extract verify vocab train; do python3 -m pipeline \$s --config $CONFIG \
       --set $DATA --set run.name=abl-original-all --set data.regenerate=off --set train.num_layers=1 || exit; done" > "$LOGS/original-all.log" 2>&1 < /dev/null &
     setsid nohup python3 -m pipeline train --config $CONFIG --set "$DATA" --set run.name=abl-n2000-e8 \

@@ -21,8 +21,10 @@ from pipeline.env import setup_env  # noqa: E402
 
 setup_env()  # caches inside the repo, before torch and transformers are imported
 from pipeline.__main__ import parse_set  # noqa: E402
+from pipeline.chat import prompt_ids  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.prepare import REGEN_CACHE, RegenCache  # noqa: E402
+from pipeline.engines.vllm_offline import Generation  # noqa: E402
+from pipeline.prepare import REGEN_CACHE, RegenCache, load_tokenizer  # noqa: E402
 from pipeline.steps import fingerprint  # noqa: E402
 
 
@@ -34,28 +36,26 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     cfg = load_config(args.config, parse_set(args.set))
     assert cfg.data.regenerate == "first_turn", "the earlier answers are first-turn answers"
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(cfg.model_path)
+    tok = load_tokenizer(cfg)
     out = cfg.step_dir("prepare")
     out.mkdir(parents=True, exist_ok=True)
     opener = gzip.open if args.conversations.suffix == ".gz" else open
-    n = 0
-    with opener(args.conversations, "rt") as f, open(out / REGEN_CACHE, "w") as w:
+    keys, gens = [], []
+    with opener(args.conversations, "rt") as f:
         for line in f:
             msgs = json.loads(line)["messages"]
             system = [m for m in msgs if m["role"] == "system"]
             first_user = next(m for m in msgs if m["role"] == "user")
             answer = next(m for m in msgs if m["role"] == "assistant")["content"]
-            prompt = tok.apply_chat_template(system + [first_user], tokenize=True, add_generation_prompt=True)
-            if not isinstance(prompt, list):
-                prompt = prompt["input_ids"]
             ids = tok.encode(answer, add_special_tokens=False)
-            w.write(json.dumps({"key": RegenCache.key(0, prompt), "text": answer, "token_ids": ids,
-                                "finish_reason": "length" if len(ids) >= cfg.data.max_new_tokens else "stop"}) + "\n")
-            n += 1
+            keys.append(RegenCache.key(0, prompt_ids(tok, system + [first_user])))
+            gens.append(Generation(answer, ids, "length" if len(ids) >= cfg.data.max_new_tokens else "stop"))
+    (out / REGEN_CACHE).unlink(missing_ok=True)
+    cache = RegenCache(out / REGEN_CACHE)
+    cache.add(keys, gens)
+    cache.close()
     (out / ".fingerprint").write_text(fingerprint(cfg, "prepare"))
-    print(f"[seed] {n} answers from {args.conversations} -> {out / REGEN_CACHE}")
+    print(f"[seed] {len(keys)} answers from {args.conversations} -> {out / REGEN_CACHE}")
     return 0
 
 
