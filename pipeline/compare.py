@@ -5,7 +5,8 @@
 
 Per step (in pipeline order): both manifests' inputs and outputs, then the contents:
   extract   every hidden-state file present in both: token ids equal?, max |a-b|, min and mean per-token
-            cosine (the manifest's outputs_hash covers names and sizes only, so contents are always read)
+            cosine, worst per-file per-layer mean cosine (verify's statistic); the manifests' outputs_hash
+            (content hashes) says whether anything differs, the contents say by how much
   train     the final checkpoint's tensors: max |a-b| and cosine per tensor, worst tensor named
   eval      numeric metric deltas of eval.json (b - a)
   others    files whose bytes differ
@@ -69,8 +70,8 @@ def compare_extract(a: Path, b: Path, max_files: int = 0) -> dict:
     common = sorted(names_a & names_b)
     if max_files > 0:
         common = common[:max_files]
-    worst = {"file": None, "max_abs_diff": 0.0, "min_token_cosine": 1.0}
-    identical, token_mismatch, shape_mismatch, cos_sum, cos_n = 0, [], [], 0.0, 0
+    worst = {"file": None, "max_abs_diff": 0.0, "min_token_cosine": 1.0, "min_layer_mean_cosine": 1.0}
+    identical, token_mismatch, shape_mismatch, cos_sum, cos_n, below = 0, [], [], 0.0, 0, 0
     for name in common:
         if sha256_file(a / name) == sha256_file(b / name):
             identical += 1
@@ -87,6 +88,8 @@ def compare_extract(a: Path, b: Path, max_files: int = 0) -> dict:
         cos = torch.nn.functional.cosine_similarity(ha, hb, dim=-1)  # [T, L]
         cos_sum += float(cos.sum())
         cos_n += cos.numel()
+        below += int((cos < 0.999).sum())
+        worst["min_layer_mean_cosine"] = min(worst["min_layer_mean_cosine"], float(cos.mean(0).min()))
         if diff > worst["max_abs_diff"]:
             worst.update(file=name, max_abs_diff=diff)
         worst["min_token_cosine"] = min(worst["min_token_cosine"], float(cos.min()))
@@ -102,6 +105,10 @@ def compare_extract(a: Path, b: Path, max_files: int = 0) -> dict:
         "worst_file": worst["file"],
         "min_token_cosine": worst["min_token_cosine"],
         "mean_token_cosine_of_differing": round(cos_sum / cos_n, 8) if cos_n else None,
+        # verify's statistic (a layer's mean per-token cosine in one file), worst over differing files and layers
+        "min_layer_mean_cosine": worst["min_layer_mean_cosine"],
+        "token_cosines_below_0.999": below,
+        "token_cosines_compared": cos_n,
         "identical": identical == compared and names_a == names_b and compared > 0,
     }
 

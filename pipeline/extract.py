@@ -7,7 +7,12 @@ an atomic rename. The server is always stopped, also on error or Ctrl-C.
 
 Resumable: a sample whose final file already exists with a valid header is not redone; files are
 complete or absent (the server writes into a staging folder; only checked files are renamed in).
-Output: runs/<run>/extract/<split>/hs_<i>.safetensors, hidden_states.json, server.log.
+Output: runs/<run>/extract/<split>/hs_<i>.safetensors, hidden_states.json, digests.json, server.log.
+
+The step's outputs_hash covers every file's sha256 (digests.json, read back once per file written and
+kept while size and mtime match), so a re-extraction that changes any byte -- a --force rerun after a vLLM
+upgrade, files deleted and redone -- changes it, and verify and every later step run again instead of
+trusting their results for other data.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from .config import Config
-from .hidden_states import META, check_header, file_name
+from .hidden_states import DIGESTS, META, check_header, content_digests, file_name
 from .layers import CONVENTION, LayerIdError, default_layer_ids, num_layers, validate
 from .manifest import StepError, sha256_json, stack_description
 
@@ -184,9 +189,11 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
-    if shard is not None:
-        from .manifest import write_json_atomic
+    from .manifest import write_json_atomic
 
+    known = _known_digests(out)
+    mine = content_digests(out, [f"{split}/{file_name(i)}" for split, i, _ in samples], known)
+    if shard is not None:
         (out / "shards").mkdir(exist_ok=True)
         write_json_atomic(out / "shards" / fragment_name(shard), {
             "shard": list(shard),
@@ -197,6 +204,7 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
             "extracted_now": len(todo),
             "seconds": round(time.time() - started, 1),
             **stats,
+            "digests": mine,
         })
         missing = [(split, i) for split, i, ids in all_samples
                    if check_header(out / split / file_name(i), len(ids), len(layer_ids), hidden) is not None]
@@ -212,7 +220,10 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
     files = sorted(p for split in SPLITS for p in (out / split).glob("hs_*.safetensors"))
     nbytes = sum(p.stat().st_size for p in files)
     tokens = sum(len(ids) for _, _, ids in all_samples)
-    listing = [(str(p.relative_to(out)), p.stat().st_size) for p in files]
+    names = [str(p.relative_to(out)) for p in files]
+    digests = content_digests(out, names, {**_known_digests(out), **mine})
+    write_json_atomic(out / DIGESTS, digests)
+    listing = [(name, digests[name]["size"], digests[name]["sha256"]) for name in names]
     extracted_now = len(todo) if shard is None else len(all_samples) - reused
     return {
         "summary": {
@@ -229,10 +240,17 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
             **stats,
             "tokens_per_s": round(stats["tokens_extracted"] / stats["extract_s"], 1) if stats["extract_s"] else None,
         },
-        # Content hashes of every file would cost a full read of terabytes at scale; names + sizes +
-        # the metadata identify the output, and `verify` checks the contents.
+        # names, sizes and content hashes: any changed byte changes it (and reruns verify and what follows)
         "outputs_hash": sha256_json({"meta": meta, "files": listing}),
     }
+
+
+def _known_digests(out: Path) -> dict[str, list]:
+    """Content hashes recorded earlier (digests.json and shard fragments); content_digests checks they are current."""
+    known = json.loads((out / DIGESTS).read_text()) if (out / DIGESTS).exists() else {}
+    for frag in sorted((out / "shards").glob("*.json")) if (out / "shards").is_dir() else []:
+        known.update(json.loads(frag.read_text()).get("digests", {}))
+    return known
 
 
 def _extract_all(server, cfg: Config, todo, out: Path, num_ids: int, hidden: int) -> int:

@@ -50,3 +50,30 @@ def load(path: Path):
 
     d = load_file(str(path))
     return d["hidden_states"], d["token_ids"]
+
+
+DIGESTS = "digests.json"  # beside the files: {"<split>/hs_<i>.safetensors": {size, mtime_ns, inode, sha256}}
+
+
+def content_digests(root: Path, names: list[str], known: dict[str, dict], workers: int = 8) -> dict[str, dict]:
+    """{size, mtime_ns, inode, sha256} of each file `root/name`. An entry of `known` is reused while the file's
+    size, mtime and inode still match it (a rewritten, re-extracted or copied file is read again); the rest
+    are read in parallel (hashlib releases the GIL), with a progress bar when there are many."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    from .manifest import sha256_file
+
+    def one(name: str) -> dict:
+        st = (root / name).stat()
+        now = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+        old = known.get(name)
+        if isinstance(old, dict) and all(old.get(k) == v for k, v in now.items()) and old.get("sha256"):
+            return old
+        return {**now, "sha256": sha256_file(root / name)}
+
+    with ThreadPoolExecutor(workers) as pool:
+        rows = list(tqdm(pool.map(one, names), total=len(names), desc="content hashes", unit="file",
+                         disable=len(names) < 1000))
+    return dict(zip(names, rows))

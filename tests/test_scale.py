@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pipeline import extract as extract_mod
 from pipeline import plan as plan_mod
@@ -224,6 +224,33 @@ def test_force_on_one_shard_redoes_only_that_shard(fake_run):
     assert read_manifest(fake_run.step_dir("extract"))["status"] == "complete"
 
 
+def test_extraction_hash_follows_the_contents_so_verify_reruns(fake_run):
+    """outputs_hash covers every file's bytes: a forced re-extraction that writes the same bytes keeps it (verify
+    and later steps stay valid), one that changes a single value changes it, so verify's fingerprint moves and
+    verify runs again instead of vouching for data it never saw. The same holds when one shard is redone."""
+    from pipeline.hidden_states import DIGESTS
+    from pipeline.steps import fingerprint
+
+    out = fake_run.step_dir("extract")
+    h0 = run(fake_run, "extract")["outputs_hash"]
+    v0 = fingerprint(fake_run, "verify")
+    assert set(json.loads((out / DIGESTS).read_text())) == {f"{s}/{file_name(i)}" for s, n in SPLIT_SIZES.items()
+                                                             for i in range(n)}
+    assert run(fake_run, "extract", force=True)["outputs_hash"] == h0  # same bytes (the fake is seeded)
+    assert fingerprint(fake_run, "verify") == v0
+
+    # one value changed, as a vLLM upgrade or a patch fix could do, then that file redone by a forced shard
+    f = out / "train" / file_name(2)
+    t = load_file(str(f))
+    t["hidden_states"][0, 0, 0] += 1.0
+    save_file(t, str(f))
+    (out / "manifest.json").unlink()
+    h1 = run(fake_run, "extract")["outputs_hash"]  # nothing to extract: the changed file is read again
+    assert h1 != h0 and fingerprint(fake_run, "verify") != v0
+    run(fake_run, "extract", shard=(0, 2), force=True)  # shard 0 holds train/hs_2 and rewrites it
+    assert run(fake_run, "extract", shard=(1, 2))["outputs_hash"] == h0 and fingerprint(fake_run, "verify") == v0
+
+
 def test_shard_is_refused_for_other_steps(fake_run):
     with pytest.raises(StepError, match="--shard"):
         run(fake_run, "train", shard=(0, 2))
@@ -292,7 +319,6 @@ def test_compare_identical_runs_and_the_first_divergence(fake_run):
 
     # one hidden-state value changed: the first divergence moves to extract, with its size
     f = b / "extract" / "train" / file_name(2)
-    from safetensors.torch import load_file
 
     t = load_file(str(f))
     t["hidden_states"][0, 0, 0] += 1.0
