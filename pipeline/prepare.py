@@ -99,6 +99,9 @@ def run(cfg: Config, out: Path) -> dict:
             f.write(json.dumps(c) + "\n")
     if not rows["train"]:
         raise StepError("prepare produced no training samples; raise data.max_conversations or lower data.min_assistant_tokens")
+    if not rows["eval"]:  # training's validation, verify and the held-out eval read it (an empty split cannot be loaded)
+        raise StepError(f"prepare produced no eval samples ({len(selected)} conversations, data.eval_fraction = "
+                        f"{cfg.data.eval_fraction}); raise data.eval_fraction or data.max_conversations in {cfg.source_path}")
 
     from datasets import Dataset
 
@@ -246,6 +249,16 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
         stats["reasoning_unfinished"] = 0
     # Conversations keep only the turns that were regenerated; later original turns are dropped
     # once an earlier answer changed (they would answer a different conversation).
+    # Agentic conversations are flattened: answers are generated for the user turns alone (tool results
+    # belong to the original calls, and parsing generated calls back needs the engine's tool parser), and
+    # the tools list goes too, so the training context is the context the answers were generated in.
+    agentic = sum(1 for c in selected if c.get("tools") or any(m["role"] == "tool" or m.get("tool_calls")
+                                                               for m in c["messages"]))
+    if agentic:
+        stats["agentic_conversations_flattened"] = agentic
+        print(f"[prepare] WARNING: {agentic} conversations have tool calls or tool results; regeneration keeps only "
+              f"their user turns and the target's answers. To train on the trajectories as given, set "
+              f"data.regenerate = \"off\" in {cfg.source_path}.")
     pending = {c["id"]: c for c in selected}
     history = {c["id"]: [m for m in c["messages"] if m["role"] == "system"] for c in selected}
     users = {c["id"]: [m for m in c["messages"] if m["role"] == "user"] for c in selected}
@@ -286,6 +299,7 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
         if any(m["role"] == "assistant" and not m["content"] for m in turns):
             turns = []
         c["messages"] = turns
+        c.pop("tools", None)
         c["regenerated"] = True
     selected[:] = [c for c in selected if any(m["role"] == "assistant" for m in c["messages"])]
     cache.close()

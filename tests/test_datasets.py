@@ -78,3 +78,35 @@ def test_loss_mask_covers_exactly_the_assistant_turns(smollm2):
     assert tok.decode(t.input_ids) == tok.apply_chat_template(msgs, tokenize=False)
     short = tokenize_conversation(tok, msgs, 10)
     assert len(short.input_ids) == 10 and sum(short.loss_mask) == 0
+
+
+def test_agentic_records_reach_the_chat_template_intact(tmp_path):
+    """An OpenAI-style agentic record in a JSONL file (content null beside tool_calls, arguments as an object,
+    a tool result, reasoning_content, a tools list) loads as exactly the conversation the Kimi golden test
+    renders, so prepare masks it the same way: tool calls trained, tool results not. Broken agentic records
+    are dropped with a reason."""
+    from tests.kimi_toy import fast_kimi_tokenizer
+    from tests.test_kimi_format import CONV, EXPECTED, TOOLS, masked_runs
+
+    raw = json.loads(json.dumps(CONV))
+    raw[2]["content"] = None
+    raw[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    good = {"id": "agent-1", "messages": raw, "tools": TOOLS}
+    no_call = {"id": "bad-1", "messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "18C"},
+                                           {"role": "assistant", "content": "a"}]}
+    bad_call = {"id": "bad-2", "messages": [{"role": "user", "content": "q"},
+                                            {"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]}
+    bad_tools = {"id": "bad-3", "messages": CONV[1:3], "tools": "get_weather"}
+    ends_on_result = {"id": "agent-2", "messages": CONV[1:4]}  # the result has no answer yet: trimmed to the call
+    p = tmp_path / "agentic.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in (good, no_call, bad_call, bad_tools, ends_on_result)) + "\n")
+
+    convs, rep = load_conversations("vllm-0.32", str(p))
+    assert rep.dropped == {"tool result without a tool call before it": 1, "malformed tool_calls": 1,
+                           "malformed tools list": 1}
+    assert [c["id"] for c in convs] == ["agent-1", "agent-2"]
+    assert convs[0]["messages"] == CONV and convs[0]["tools"] == TOOLS
+    assert convs[1]["messages"] == CONV[1:3] and "tools" not in convs[1]
+    tok = fast_kimi_tokenizer()
+    t = tokenize_conversation(tok, convs[0]["messages"], 4096, tools=convs[0]["tools"], reasoning="keep")
+    assert tok.decode(t.input_ids) == EXPECTED["keep"][0] and masked_runs(tok, t) == EXPECTED["keep"][1]

@@ -319,6 +319,79 @@ def test_prepare_resumes_an_interrupted_regeneration(smollm2, runs_dir):
     assert (out / "conversations.jsonl").read_text() == resumed
 
 
+def test_prepare_keeps_agentic_trajectories_or_flattens_them_when_regenerating(smollm2, runs_dir, work):
+    """Agentic conversations from a JSONL file: with data.regenerate = "off" prepare trains on them as given (tool
+    results in the context, never in the loss); with regeneration they are flattened to user turns and the
+    target's answers, counted and warned about, and lose their tools list (the answers never saw it)."""
+    from pipeline import steps
+    from pipeline.config import load_config
+    from tests.conftest import SMALL, write_config
+    from tests.test_kimi_format import CONV, TOOLS
+
+    records = []
+    for k, city in enumerate(["Paris", "Oslo", "Lima", "Kyiv"]):
+        conv = json.loads(json.dumps(CONV).replace("Paris", city))
+        conv[2]["content"] = None  # as OpenAI-style logs store a call-only turn
+        records.append({"id": f"agent-{k}", "messages": conv, "tools": TOOLS})
+        records.append({"id": f"plain-{k}", "messages": [
+            {"role": "user", "content": f"Name three facts about {city}."},
+            {"role": "assistant", "content": f"{city} is a capital city. It has a long history. Many people visit it."}]})
+    path = work / "agentic.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def prepare(name, regenerate):
+        data = {**SMALL["data"], "path": str(path), "regenerate": regenerate, "engine": "hf", "max_new_tokens": 8,
+                "batch_size": 4, "min_assistant_tokens": 1, "eval_fraction": 0.5}
+        cfg = load_config(write_config(runs_dir / f"{name}.toml", runs_dir, name, **{**SMALL, "data": data}))
+        steps.run(cfg, "model")
+        with _one_thread():
+            s = steps.run(cfg, "prepare")["summary"]
+        convs = [json.loads(x) for x in (cfg.step_dir("prepare") / "conversations.jsonl").read_text().splitlines()]
+        return cfg, s, {c["id"]: c for c in convs}
+
+    cfg, s, convs = prepare("agentic-off", "off")
+    assert s["usable_conversations"] == 8 and s["train_samples"] + s["eval_samples"] == 8
+    assert "agentic_conversations_flattened" not in s
+    assert convs["agent-1"]["tools"] == TOOLS and [m["role"] for m in convs["agent-1"]["messages"]] == \
+        [m["role"] for m in CONV]
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(cfg.model_path))
+    rows = [r for split in ("train", "eval") for r in load_from_disk(str(cfg.step_dir("prepare") / split))]
+    row = next(r for r in rows if r["id"] == "agent-1")
+    trained = tok.decode([i for i, m in zip(row["input_ids"], row["loss_mask"]) if m])
+    assert "18C, sunny" in tok.decode(row["input_ids"]) and "18C, sunny" not in trained  # the tool's result
+    assert "It is 18C and sunny." in trained
+
+    _, s, convs = prepare("agentic-regen", "first_turn")
+    assert s["agentic_conversations_flattened"] == 4 and s["regenerated_turns"] == 8
+    for cid, c in convs.items():
+        roles = [m["role"] for m in c["messages"]]
+        assert "tools" not in c and not any(m.get("tool_calls") for m in c["messages"])
+        assert roles == (["system", "user", "assistant"] if cid.startswith("agent") else ["user", "assistant"])
+
+
+def test_prepare_refuses_an_empty_eval_split(smollm2, runs_dir, work):
+    """Three conversations at eval_fraction 0.01 all land in train: a clear error naming the config and the keys
+    to change, not an IndexError from datasets when verify or training loads the empty split."""
+    from pipeline import steps
+    from pipeline.config import load_config
+    from pipeline.manifest import StepError
+    from tests.conftest import SMALL, write_config
+
+    path = work / "three.jsonl"
+    path.write_text("".join(json.dumps({"id": f"c{k}", "messages": [
+        {"role": "user", "content": f"Question {k}?"}, {"role": "assistant", "content": f"Answer number {k}."}]}) + "\n"
+        for k in range(3)))
+    data = {**SMALL["data"], "path": str(path), "regenerate": "off", "eval_fraction": 0.01, "min_assistant_tokens": 1}
+    cfg = load_config(write_config(runs_dir / "no-eval.toml", runs_dir, "no-eval", **{**SMALL, "data": data}))
+    steps.run(cfg, "model")
+    with pytest.raises(StepError, match=r"no eval samples.*data\.eval_fraction.*no-eval\.toml"):
+        steps.run(cfg, "prepare")
+    assert not (cfg.step_dir("prepare") / "manifest.json").exists()
+
+
 def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
     """tests/bench/h200/seed_regen_cache.py (how a GPU session skips regenerating): a fresh run seeded with an
     earlier run's conversations generates nothing and ends with the same conversations; a prompt that differs
