@@ -152,7 +152,7 @@ def normalize(record, report: LoadReport) -> dict | None:
             return None
         role = t.get("from", t.get("role"))
         raw = t.get("value", t.get("content"))
-        calls = t.get("tool_calls")
+        calls = t.get("tool_calls") or None  # exports often write [] (or null) on every plain turn
         if calls is not None and raw is None:
             raw = ""  # an assistant turn that only calls tools
         content = _text(raw)
@@ -212,7 +212,13 @@ def normalize(record, report: LoadReport) -> dict | None:
     cid = str(record.get("id") or hashlib.sha256(json.dumps(messages).encode()).hexdigest()[:16])
     conv = {"id": cid, "messages": system + rest}
     tools = record.get("tools")
-    if tools is not None:
+    if isinstance(tools, str):  # some function-calling ShareGPT exports store the list as JSON text
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError:
+            report.drop("malformed tools list")
+            return None
+    if tools:
         if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
             report.drop("malformed tools list")
             return None
@@ -254,7 +260,7 @@ def load_conversations(stack: str, path: str = "") -> tuple[list[dict], LoadRepo
         conv = normalize(rec, report)
         if conv is None:
             continue
-        key = hashlib.sha256(json.dumps(conv["messages"], sort_keys=True).encode()).hexdigest()
+        key = hashlib.sha256(json.dumps([conv["messages"], conv.get("tools")], sort_keys=True).encode()).hexdigest()
         if key in seen:
             report.drop("duplicate")
             continue

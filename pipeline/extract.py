@@ -10,7 +10,7 @@ complete or absent (the server writes into a staging folder; only checked files 
 Output: runs/<run>/extract/<split>/hs_<i>.safetensors, hidden_states.json, digests.json, server.log.
 
 The step's outputs_hash covers every file's sha256 (digests.json, read back once per file written and
-kept while size and mtime match), so a re-extraction that changes any byte -- a --force rerun after a vLLM
+kept while size, mtime and inode match), so a re-extraction that changes any byte -- a --force rerun after a vLLM
 upgrade, files deleted and redone -- changes it, and verify and every later step run again instead of
 trusting their results for other data.
 """
@@ -144,16 +144,21 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
         "precision": cfg.model.precision,
         "format": {"hidden_states": "[T, len(layer_ids), H]", "token_ids": "[T]"},
     }
+    known = _known_digests(out)  # before anything below deletes shard records that carry them
     old_meta = out / META
     if old_meta.exists() and json.loads(old_meta.read_text())["layer_ids"] != layer_ids:
         # Files from other layer ids must not be mixed in: start over.
         for split in SPLITS:
             shutil.rmtree(out / split, ignore_errors=True)
         shutil.rmtree(out / "shards", ignore_errors=True)
+    # An engine's unfinished writes (verify would call them stray): all of them, or with --shard only this
+    # shard's own (another shard running now may be writing the others).
+    ours = None if shard is None else {f".{file_name(i)}.tmp" for _, i, _ in samples}
     for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
-        for tmp in (out / split).glob("*.tmp"):  # an engine's unfinished write; verify would call it stray
-            tmp.unlink()
+        for tmp in (out / split).glob("*.tmp"):
+            if ours is None or tmp.name in ours:
+                tmp.unlink(missing_ok=True)
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     if shard is None:
         # One process does everything: fragments of earlier sharded attempts no longer describe the output.
@@ -191,7 +196,6 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
 
     from .manifest import write_json_atomic
 
-    known = _known_digests(out)
     mine = content_digests(out, [f"{split}/{file_name(i)}" for split, i, _ in samples], known)
     if shard is not None:
         (out / "shards").mkdir(exist_ok=True)
@@ -211,6 +215,13 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
         if missing:
             return {"incomplete": f"shard {shard[0]}/{shard[1]} done; {len(missing)} of {len(all_samples)} samples "
                                   f"still missing (other shards), e.g. {missing[0][0]}/{file_name(missing[0][1])}"}
+        # Every file is there, but the step is complete only when every shard has recorded its samples (verify
+        # checks that the records cover every sample once); then the shard that completes the set finishes.
+        absent = [k for k in range(shard[1]) if not (out / "shards" / fragment_name((k, shard[1]))).exists()]
+        if absent:
+            return {"incomplete": f"shard {shard[0]}/{shard[1]} done; no record yet from shard(s) "
+                                  f"{', '.join(f'{k}/{shard[1]}' for k in absent)} (run them: their files are "
+                                  f"there, so they only record them)"}
         # The last shard to finish writes the step's manifest; its numbers cover every fragment.
         frags = [json.loads(p.read_text()) for p in sorted((out / "shards").glob("*.json"))]
         stats = {k: round(sum(f.get(k, 0) for f in frags), 1) for k in ("server_start_s", "extract_s", "tokens_extracted")}
@@ -245,11 +256,18 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
     }
 
 
-def _known_digests(out: Path) -> dict[str, list]:
-    """Content hashes recorded earlier (digests.json and shard fragments); content_digests checks they are current."""
-    known = json.loads((out / DIGESTS).read_text()) if (out / DIGESTS).exists() else {}
-    for frag in sorted((out / "shards").glob("*.json")) if (out / "shards").is_dir() else []:
-        known.update(json.loads(frag.read_text()).get("digests", {}))
+def _known_digests(out: Path) -> dict[str, dict]:
+    """Content hashes recorded earlier (digests.json and shard records); content_digests checks they are current.
+    Only a cache: an unreadable record costs a re-read of its files, never a wrong hash."""
+    known: dict[str, dict] = {}
+    records = [out / DIGESTS] + (sorted((out / "shards").glob("*.json")) if (out / "shards").is_dir() else [])
+    for path in records:
+        try:
+            d = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            continue
+        d = d.get("digests", {}) if path.parent.name == "shards" else d
+        known.update(d if isinstance(d, dict) else {})
     return known
 
 

@@ -52,13 +52,18 @@ def load(path: Path):
     return d["hidden_states"], d["token_ids"]
 
 
-DIGESTS = "digests.json"  # beside the files: {"<split>/hs_<i>.safetensors": {size, mtime_ns, inode, sha256}}
+DIGESTS = "digests.json"  # beside the files: {"<split>/hs_<i>.safetensors": {size, mtime_ns, inode, sha256, hashed_at_ns}}
+# A rewrite of the same size within one timestamp tick of hashing would keep the mtime (ticks are up to 1-2 s on
+# some file systems): entries of files modified that close to their hashing are not trusted (git's "racy clean").
+RACY_NS = 2_000_000_000
 
 
 def content_digests(root: Path, names: list[str], known: dict[str, dict], workers: int = 8) -> dict[str, dict]:
-    """{size, mtime_ns, inode, sha256} of each file `root/name`. An entry of `known` is reused while the file's
-    size, mtime and inode still match it (a rewritten, re-extracted or copied file is read again); the rest
-    are read in parallel (hashlib releases the GIL), with a progress bar when there are many."""
+    """{size, mtime_ns, inode, sha256, hashed_at_ns} of each file `root/name`. An entry of `known` is reused while
+    the file's size, mtime and inode still match it and the file was last modified well before it was hashed;
+    other files (new, rewritten, re-extracted, copied) are read, in parallel (hashlib releases the GIL), with a
+    progress bar when there are many."""
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm import tqdm
@@ -69,9 +74,11 @@ def content_digests(root: Path, names: list[str], known: dict[str, dict], worker
         st = (root / name).stat()
         now = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
         old = known.get(name)
-        if isinstance(old, dict) and all(old.get(k) == v for k, v in now.items()) and old.get("sha256"):
+        if (isinstance(old, dict) and all(old.get(k) == v for k, v in now.items()) and old.get("sha256")
+                and st.st_mtime_ns < old.get("hashed_at_ns", 0) - RACY_NS):
             return old
-        return {**now, "sha256": sha256_file(root / name)}
+        hashed_at = time.time_ns()
+        return {**now, "sha256": sha256_file(root / name), "hashed_at_ns": hashed_at}
 
     with ThreadPoolExecutor(workers) as pool:
         rows = list(tqdm(pool.map(one, names), total=len(names), desc="content hashes", unit="file",

@@ -53,7 +53,8 @@ def hash_tree(root: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> str:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # the temp name is per process: shards finishing at the same time may write the same file
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
     os.replace(tmp, path)
 

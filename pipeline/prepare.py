@@ -70,6 +70,8 @@ def run(cfg: Config, out: Path) -> dict:
     selected, report, contaminated = selected_conversations(cfg)
     if not selected:
         raise StepError(f"no usable conversations in {report.source} (dropped: {report.dropped})")
+    if not any(c["split"] == "eval" for c in selected):  # say so before hours of regeneration, not after
+        raise _no_eval_samples(cfg, selected)
 
     tok = load_tokenizer(cfg)
     if not tok.chat_template:
@@ -99,9 +101,8 @@ def run(cfg: Config, out: Path) -> dict:
             f.write(json.dumps(c) + "\n")
     if not rows["train"]:
         raise StepError("prepare produced no training samples; raise data.max_conversations or lower data.min_assistant_tokens")
-    if not rows["eval"]:  # training's validation, verify and the held-out eval read it (an empty split cannot be loaded)
-        raise StepError(f"prepare produced no eval samples ({len(selected)} conversations, data.eval_fraction = "
-                        f"{cfg.data.eval_fraction}); raise data.eval_fraction or data.max_conversations in {cfg.source_path}")
+    if not rows["eval"]:  # every eval conversation rejected at tokenization
+        raise _no_eval_samples(cfg, selected)
 
     from datasets import Dataset
 
@@ -132,6 +133,12 @@ def run(cfg: Config, out: Path) -> dict:
             "assistant_tokens": assistant,
         }
     }
+
+
+def _no_eval_samples(cfg: Config, selected: list[dict]) -> StepError:
+    # training's validation, verify and the held-out eval read the eval split, and an empty one cannot be loaded
+    return StepError(f"prepare has no eval samples ({len(selected)} conversations, data.eval_fraction = "
+                     f"{cfg.data.eval_fraction}); raise data.eval_fraction or data.max_conversations in {cfg.source_path}")
 
 
 def prompt_opens_reasoning(tok) -> bool:

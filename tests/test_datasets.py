@@ -98,15 +98,19 @@ def test_agentic_records_reach_the_chat_template_intact(tmp_path):
                                             {"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}]}
     bad_tools = {"id": "bad-3", "messages": CONV[1:3], "tools": "get_weather"}
     ends_on_result = {"id": "agent-2", "messages": CONV[1:4]}  # the result has no answer yet: trimmed to the call
+    exported = {"id": "plain-1", "tools": json.dumps(TOOLS), "messages": [  # tools as JSON text, [] on plain turns
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "tool_calls": []}]}
     p = tmp_path / "agentic.jsonl"
-    p.write_text("\n".join(json.dumps(r) for r in (good, no_call, bad_call, bad_tools, ends_on_result)) + "\n")
+    p.write_text("\n".join(json.dumps(r) for r in (good, no_call, bad_call, bad_tools, ends_on_result, exported)) + "\n")
 
     convs, rep = load_conversations("vllm-0.32", str(p))
     assert rep.dropped == {"tool result without a tool call before it": 1, "malformed tool_calls": 1,
                            "malformed tools list": 1}
-    assert [c["id"] for c in convs] == ["agent-1", "agent-2"]
+    assert [c["id"] for c in convs] == ["agent-1", "agent-2", "plain-1"]
     assert convs[0]["messages"] == CONV and convs[0]["tools"] == TOOLS
     assert convs[1]["messages"] == CONV[1:3] and "tools" not in convs[1]
+    assert convs[2]["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert convs[2]["tools"] == TOOLS
     tok = fast_kimi_tokenizer()
     t = tokenize_conversation(tok, convs[0]["messages"], 4096, tools=convs[0]["tools"], reasoning="keep")
     assert tok.decode(t.input_ids) == EXPECTED["keep"][0] and masked_runs(tok, t) == EXPECTED["keep"][1]

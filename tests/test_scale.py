@@ -247,8 +247,40 @@ def test_extraction_hash_follows_the_contents_so_verify_reruns(fake_run):
     (out / "manifest.json").unlink()
     h1 = run(fake_run, "extract")["outputs_hash"]  # nothing to extract: the changed file is read again
     assert h1 != h0 and fingerprint(fake_run, "verify") != v0
-    run(fake_run, "extract", shard=(0, 2), force=True)  # shard 0 holds train/hs_2 and rewrites it
-    assert run(fake_run, "extract", shard=(1, 2))["outputs_hash"] == h0 and fingerprint(fake_run, "verify") == v0
+    r = run(fake_run, "extract", shard=(0, 2), force=True)  # shard 0 holds train/hs_2 and rewrites it
+    assert "no record yet from shard(s) 1/2" in r["incomplete"]  # every file is there, shard 1 has not said so
+    m = run(fake_run, "extract", shard=(1, 2))  # records its files (nothing to extract) and completes the step
+    assert m["summary"]["extracted_now"] == len(fake_run.fake_calls[-1]) and m["summary"]["shards"] == ["0/2", "1/2"]
+    assert m["outputs_hash"] == h0 and fingerprint(fake_run, "verify") == v0
+    assert structural_problems(fake_run)[0] == []  # the shard records cover every sample once
+
+
+def test_content_digests_reuse_only_what_cannot_have_changed(tmp_path, monkeypatch):
+    """A recorded hash is reused while size, mtime and inode match and the file was last modified well before it was
+    hashed; a file hashed right after it was written, or rewritten since, is read again."""
+    import os
+    import time
+
+    from pipeline import manifest
+    from pipeline.hidden_states import RACY_NS, content_digests
+
+    reads = []
+    real = manifest.sha256_file
+    monkeypatch.setattr(manifest, "sha256_file", lambda p, *a: reads.append(p.name) or real(p, *a))
+    old, fresh = tmp_path / "old.bin", tmp_path / "fresh.bin"
+    old.write_bytes(b"a" * 100)
+    fresh.write_bytes(b"b" * 100)
+    past = time.time_ns() - 10 * RACY_NS
+    os.utime(old, ns=(past, past))
+    d = content_digests(tmp_path, ["old.bin", "fresh.bin"], {})
+    assert sorted(reads) == ["fresh.bin", "old.bin"]
+    reads.clear()
+    assert content_digests(tmp_path, ["old.bin", "fresh.bin"], d)["old.bin"] == d["old.bin"]
+    assert reads == ["fresh.bin"]  # modified within RACY_NS of its hashing: not trusted
+    reads.clear()
+    old.write_bytes(b"c" * 100)  # same size, same inode, new mtime
+    e = content_digests(tmp_path, ["old.bin"], d)
+    assert reads == ["old.bin"] and e["old.bin"]["sha256"] != d["old.bin"]["sha256"]
 
 
 def test_shard_is_refused_for_other_steps(fake_run):
