@@ -121,6 +121,42 @@ class EvalConfig:
 
 
 @dataclass
+class EngineConfig:
+    """How every vLLM engine of the run is started on this machine (prepare's regeneration, extract's server,
+    eval's runs): parallelism and memory, not what is computed, so no step's fingerprint includes it.
+    0 / "auto" = vLLM's own default. The transformers ("hf") engines ignore it."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE experts spread over the TP ranks instead of sliced
+    gpu_memory_utilization: float = 0.0
+    max_num_seqs: int = 0
+    kv_cache_dtype: str = "auto"
+    # CUDA graphs for prepare and eval (GPU only; they matter for eval's tokens/s). Extraction always runs eager.
+    enforce_eager: bool = True
+
+    def llm_kwargs(self) -> dict:
+        """Keyword arguments for vllm.LLM (the keys left at their defaults are not passed)."""
+        kw = {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size}
+        if self.enable_expert_parallel:
+            kw["enable_expert_parallel"] = True
+        if self.gpu_memory_utilization:
+            kw["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.max_num_seqs:
+            kw["max_num_seqs"] = self.max_num_seqs
+        if self.kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = self.kv_cache_dtype
+        return {k: v for k, v in kw.items() if not (k.endswith("_parallel_size") and v == 1)}
+
+    def cli_args(self) -> list[str]:
+        """The same settings as `vllm serve` flags (extract's server)."""
+        out = []
+        for k, v in self.llm_kwargs().items():
+            flag = "--" + k.replace("_", "-")
+            out += [flag] if v is True else [flag, str(v)]
+        return out
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -130,6 +166,7 @@ class Config:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     source_path: str = ""  # the file it came from (not a TOML key)
 
     # ----- derived paths -----
@@ -185,6 +222,7 @@ _CHOICES = {
     ("data", "source"): {"sharegpt"},
     ("data", "regenerate"): {"off", "first_turn", "all_turns"},
     ("run", "stack"): {"vllm-0.32", "vllm-0.16"},
+    ("engine", "kv_cache_dtype"): {"auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"},
 }
 
 
@@ -267,3 +305,9 @@ def _validate(cfg: Config, file: str) -> None:
         raise ConfigError(f"{file}: train.nnodes = {cfg.train.nnodes} needs train.rdzv_endpoint = \"host:port\" (one node's address)")
     if cfg.vocab.draft_vocab_size < 1:
         raise ConfigError(f"{file}: vocab.draft_vocab_size must be >= 1")
+    e = cfg.engine
+    if e.tensor_parallel_size < 1 or e.pipeline_parallel_size < 1:
+        raise ConfigError(f"{file}: engine.tensor_parallel_size and engine.pipeline_parallel_size must be >= 1")
+    if not 0 <= e.gpu_memory_utilization < 1 or e.max_num_seqs < 0:
+        raise ConfigError(f"{file}: engine.gpu_memory_utilization must be in [0, 1) and engine.max_num_seqs >= 0 "
+                          f"(0 = vLLM's default)")

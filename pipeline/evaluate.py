@@ -111,6 +111,8 @@ def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
         "model": str(cfg.model_path), "max_model_len": cfg.model.max_model_len, "dtype": cfg.eval.dtype,
         "seed": cfg.run.seed, "prompts": prompts, "max_tokens": cfg.eval.max_tokens,
         "trust_remote_code": cfg.model.trust_remote_code,
+        # [engine]: parallelism and memory for vLLM (the hf engine ignores them)
+        "engine": cfg.engine.llm_kwargs(), "enforce_eager": cfg.engine.enforce_eager,
     }
     runs = {"baseline": run_engine("baseline", base_req, out, cfg.eval.engine)}
     for name, ckpt in drafts.items():

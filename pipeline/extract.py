@@ -105,7 +105,7 @@ def extract_samples(cfg: Config, todo, out: Path, layer_ids: list[int], hidden: 
         return stats
     args = extraction_server_args(
         cfg.model_path, layer_ids, staging, cfg.model.max_model_len, dtype=cfg.model.dtype,
-        on_cpu=cpu_only(), extra=["--trust-remote-code"] if cfg.model.trust_remote_code else [],
+        on_cpu=cpu_only(), extra=(["--trust-remote-code"] if cfg.model.trust_remote_code else []) + cfg.engine.cli_args(),
         max_num_batched_tokens=cfg.model.max_model_len * cfg.extract.concurrency,
     )
     t0 = time.time()

@@ -557,6 +557,9 @@ def test_kimi_configs_load(name):
     assert cfg.model.source == "path" and cfg.model.path.startswith("/models/") and cfg.model.trust_remote_code
     assert cfg.extract.layer_ids == [2, 30, 58, 61] and cfg.vocab.draft_vocab_size == 32000
     assert cfg.data.seq_length < cfg.model.max_model_len
+    # a 1T model on 8 GPUs: every vLLM start tensor-parallel over all of them, training on all of them
+    assert cfg.engine.tensor_parallel_size == 8 and cfg.train.nproc_per_node == 8
+    assert cfg.engine.cli_args()[:2] == ["--tensor-parallel-size", "8"] and not cfg.engine.enforce_eager
 
 
 # ----------------------------------------------------------------------------------------------- patches

@@ -163,7 +163,8 @@ def test_sharded_extraction_with_a_real_server_is_complete_and_reproducible(data
     from pipeline.compare import compare_extract
     from pipeline.extract import load_samples, shard_of
 
-    cfg = clone_run(data_run, "shards", runs_dir)
+    # [engine] is not fingerprinted (the extraction is reused as before) and reaches the real server as flags
+    cfg = clone_run(data_run, "shards", runs_dir, engine={"max_num_seqs": 3})
     out = cfg.step_dir("extract")
     (out / "manifest.json").unlink()
     mine = shard_of(load_samples(cfg), (1, 2))
@@ -175,6 +176,7 @@ def test_sharded_extraction_with_a_real_server_is_complete_and_reproducible(data
     assert m["status"] == "complete" and m["summary"]["shards"] == ["0/2", "1/2"]
     assert m["summary"]["extracted_now"] == len(mine) and m["summary"]["samples"] == len(load_samples(cfg))
     assert m["determinism"]["seed"] == cfg.run.seed
+    assert "max_num_seqs" in (log := (out / "server-1-of-2.log").read_text()) and "3" in log.split("max_num_seqs")[1][:8]
     c = compare_extract(data_run.step_dir("extract"), out)
     print(f"determinism: {c['bit_identical']}/{c['files_compared']} bit-identical, max |a-b| {c['max_abs_diff']}, "
           f"worst layer mean cosine {c['min_layer_mean_cosine']}, min token cosine {c['min_token_cosine']}, "

@@ -13,9 +13,9 @@ Writes exactly what the native path writes: out/<split>/hs_<index>.safetensors =
 renamed into place (a file is complete or absent). Every result is checked (layer count, shape, token ids) before it is
 written: a generator that returns the wrong layers or rows fails the step instead of writing them.
 
-Environment overrides (no config keys for them yet):
-  EAGLE3_LEGACY_TP                    tensor_parallel_size (default 1)
-  EAGLE3_LEGACY_GPU_MEMORY_UTILIZATION  the generator's gpu_memory_utilization (default 0.8; GPU only)
+Environment overrides:
+  EAGLE3_LEGACY_TP                    tensor_parallel_size (default: engine.tensor_parallel_size)
+  EAGLE3_LEGACY_GPU_MEMORY_UTILIZATION  gpu_memory_utilization (default: engine.gpu_memory_utilization, else 0.8)
   EAGLE3_LEGACY_MAX_BATCHED_TOKENS    lower bound of the per-step token budget (generator default 8192;
                                       the budget is max(this, max_model_len)); tests lower it to make
                                       every call span several steps
@@ -65,7 +65,8 @@ def _env_int(name: str, default: int | None) -> int | None:
     return int(v) if v else default
 
 
-def start_generator(model_path: Path, layer_ids: list[int], max_model_len: int, trust_remote_code: bool):
+def start_generator(model_path: Path, layer_ids: list[int], max_model_len: int, trust_remote_code: bool,
+                    tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0):
     """The patched VllmHiddenStatesGenerator (starts vLLM's engine; ~10-20 s for a small model on CPU)."""
     import speculators.data_generation.vllm_hidden_states_generator as vhg
 
@@ -76,8 +77,8 @@ def start_generator(model_path: Path, layer_ids: list[int], max_model_len: int, 
         str(model_path),
         layer_ids=list(layer_ids),
         max_model_len=max_model_len,
-        gpu_memory_utilization=float(os.environ.get("EAGLE3_LEGACY_GPU_MEMORY_UTILIZATION") or 0.8),
-        tensor_parallel_size=_env_int("EAGLE3_LEGACY_TP", 1),
+        gpu_memory_utilization=float(os.environ.get("EAGLE3_LEGACY_GPU_MEMORY_UTILIZATION") or gpu_memory_utilization or 0.8),
+        tensor_parallel_size=_env_int("EAGLE3_LEGACY_TP", tensor_parallel_size),
         trust_remote_code=trust_remote_code,
     )
 
@@ -141,7 +142,8 @@ def extract_legacy(cfg: Config, todo: list[tuple[str, int, list[int]]], out: Pat
     staging.mkdir(parents=True, exist_ok=True)
 
     t0 = time.time()
-    gen = start_generator(cfg.model_path, layer_ids, cfg.model.max_model_len, cfg.model.trust_remote_code)
+    gen = start_generator(cfg.model_path, layer_ids, cfg.model.max_model_len, cfg.model.trust_remote_code,
+                          cfg.engine.tensor_parallel_size, cfg.engine.gpu_memory_utilization)
     stats = {"server_start_s": round(time.time() - t0, 1), "extract_s": 0.0, "tokens_extracted": 0,
              "engine": f"speculators {SPECULATORS_VERSION} VllmHiddenStatesGenerator (patched)",
              "patch_series_sha256": state["series_sha256"], "patches_not_applied": state["not_applied"]}

@@ -45,6 +45,7 @@ def main(request_path: str, result_path: str) -> None:
         enforce_eager=req.get("enforce_eager", True), disable_log_stats=False,
         trust_remote_code=req.get("trust_remote_code", False),
     )
+    kw.update(req.get("engine", {}))  # the config's [engine]: tensor parallel size, memory, ...
     if req.get("speculative_config"):
         kw["speculative_config"] = req["speculative_config"]
     t0 = time.time()
