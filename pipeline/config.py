@@ -138,7 +138,11 @@ class EngineConfig:
 
     def llm_kwargs(self) -> dict:
         """Keyword arguments for vllm.LLM (the keys left at their defaults are not passed)."""
-        kw = {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size}
+        kw = {}
+        if self.tensor_parallel_size != 1:
+            kw["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.pipeline_parallel_size != 1:
+            kw["pipeline_parallel_size"] = self.pipeline_parallel_size
         if self.enable_expert_parallel:
             kw["enable_expert_parallel"] = True
         if self.gpu_memory_utilization:
@@ -149,7 +153,7 @@ class EngineConfig:
             kw["kv_cache_dtype"] = self.kv_cache_dtype
         if self.attention_backend:
             kw["attention_backend"] = self.attention_backend
-        return {k: v for k, v in kw.items() if not (k.endswith("_parallel_size") and v == 1)}
+        return kw
 
     def cli_args(self) -> list[str]:
         """The same settings as `vllm serve` flags (extract's server)."""

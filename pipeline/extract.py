@@ -232,7 +232,11 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
     nbytes = sum(p.stat().st_size for p in files)
     tokens = sum(len(ids) for _, _, ids in all_samples)
     names = [str(p.relative_to(out)) for p in files]
-    digests = content_digests(out, names, {**_known_digests(out), **mine})
+    # this run's own hashes are current (taken after its last write); only other shards' files and strays are
+    # looked up (and read where their records cannot be trusted)
+    others = [name for name in names if name not in mine]
+    digests = {**{name: mine[name] for name in names if name in mine},
+               **(content_digests(out, others, _known_digests(out)) if others else {})}
     write_json_atomic(out / DIGESTS, digests)
     listing = [(name, digests[name]["size"], digests[name]["sha256"]) for name in names]
     extracted_now = len(todo) if shard is None else len(all_samples) - reused

@@ -241,11 +241,9 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
     else:
         from .engines.vllm_offline import generate, make_llm
 
-        from .engines.vllm_offline import cpu_only
-
         llm = make_llm(
             cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=cfg.run.seed,
-            trust_remote_code=cfg.model.trust_remote_code, enforce_eager=cpu_only() or cfg.engine.enforce_eager,
+            trust_remote_code=cfg.model.trust_remote_code, enforce_eager=cfg.engine.enforce_eager,
             **cfg.engine.llm_kwargs(),
         )
 

@@ -17,7 +17,8 @@ def cpu_only() -> bool:
     return not torch.cuda.is_available()
 
 
-def make_llm(model_path: str, *, max_model_len: int, dtype: str, seed: int, trust_remote_code: bool = False, **kw):
+def make_llm(model_path: str, *, max_model_len: int, dtype: str, seed: int, trust_remote_code: bool = False,
+             enforce_eager: bool = False, **kw):
     from vllm import LLM
 
     args = dict(
@@ -26,7 +27,8 @@ def make_llm(model_path: str, *, max_model_len: int, dtype: str, seed: int, trus
         dtype=dtype,
         seed=seed,
         trust_remote_code=trust_remote_code,
-        enforce_eager=cpu_only(),  # torch.compile on CPU costs a minute per start and gains little here
+        # always on CPU: torch.compile there costs a minute per start and gains little
+        enforce_eager=cpu_only() or enforce_eager,
     )
     args.update(kw)
     return LLM(**args)
