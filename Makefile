@@ -68,6 +68,8 @@ RUN_AS ?= $(shell id -u):$(shell id -g)
 SSL_CERT_FILE ?=
 CA_BUNDLE ?= $(firstword $(wildcard $(SSL_CERT_FILE) /etc/ssl/certs/ca-certificates.crt /etc/pki/tls/certs/ca-bundle.crt))
 CACHE_DIR ?= ./.cache/container
+# the host folder mounted as runs/ in the containers (configs say runs_dir = "runs")
+RUNS_DIR ?= ./runs
 
 comma := ,
 STACKS := $(sort $(patsubst docker/stacks/%.env,%,$(wildcard docker/stacks/*.env)))
@@ -83,7 +85,7 @@ MACHINE_ARCH = $(shell sed -n 's/^x-gpu-arch:[[:space:]]*\([a-z0-9_]*\).*/\1/p' 
 MACHINE_FLAVOR = $(if $(MACHINE),$(or $(shell sed -n 's/^x-flavor:[[:space:]]*\([a-z]*\).*/\1/p' $(MACHINE_FILE) 2>/dev/null),gpu))
 FLAVOR ?= $(or $(MACHINE_FLAVOR),$(if $(HAS_GPU),gpu,cpu))
 IMAGE ?= $(IMAGE_REPO):$(STACK)$(if $(filter cpu,$(FLAVOR)),-cpu)
-export IMAGE CONFIG MODELS_DIR STACK RUN_AS CA_BUNDLE CACHE_DIR
+export IMAGE CONFIG MODELS_DIR STACK RUN_AS CA_BUNDLE CACHE_DIR RUNS_DIR
 SPECULATORS_VERSION = $(call stack_get,SPECULATORS_VERSION,$(STACK))
 VLLM_IMAGE_TAG = $(call stack_get,VLLM_IMAGE,$(STACK))
 LOCKED_DIGEST = $(shell awk -v ref='$(VLLM_IMAGE_TAG)' '$$1 == ref {print $$2}' $(LOCK_FILE) 2>/dev/null)
@@ -120,10 +122,10 @@ check_series = $(if $(wildcard patches/speculators/$(SPECULATORS_VERSION)/series
 check_lock = $(if $(filter cpu,$(FLAVOR)),$(check_lock_cpu),$(check_lock_gpu))
 check_lock_cpu = $(if $(filter sha256:%,$(CPU_BASE_LOCKED))$(filter 1,$(ALLOW_UNPINNED)),,$(error refusing to build $(IMAGE): $(LOCK_FILE) pins no eagle3-factory-base:$(CPU_BASE_SUITE). Run `make lock-images FLAVOR=cpu` (bootstraps the base and pins its layer digest)$(comma) commit $(LOCK_FILE) and docker/base/$(CPU_BASE_SUITE).packages; or set ALLOW_UNPINNED=1))
 check_lock_gpu = $(if $(VLLM_IMAGE_TAG),,$(error $(STACK_FILE) has no VLLM_IMAGE=))$(if $(filter true,$(BASE_PINNED))$(filter 1,$(ALLOW_UNPINNED)),,$(error refusing to build $(IMAGE): $(LOCK_FILE) has no digest for $(VLLM_IMAGE_TAG) ($(or $(LOCKED_DIGEST),no entry)). Run `make lock-images` on a host with network and docker buildx (docker buildx imagetools inspect)$(comma) commit $(LOCK_FILE)$(comma) and build again; or set ALLOW_UNPINNED=1 to build from the unpinned tag (not reproducible; the image is labelled base-pinned=false)))
-engine_ready = docker/engine.sh --check >/dev/null 2>&1 || { docker/engine.sh --check >&2; echo "fix: make engine (installs/starts Docker and compose where it can), or RUNNER=local (the CPU venv)" >&2; exit 2; }
+engine_ready = DOCKER=$(DOCKER) docker/engine.sh --check >/dev/null 2>&1 || { DOCKER=$(DOCKER) docker/engine.sh --check >&2; echo "fix: make engine (installs/starts Docker and compose where it can), or RUNNER=local (the CPU venv)" >&2; exit 2; }
 image_present = $(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || { echo "image $(IMAGE) not found: build it with make image STACK=$(STACK) FLAVOR=$(FLAVOR) (or RUNNER=local)" >&2; exit 2; }
 # bind-mount sources created as you before compose would create them as root
-mount_dirs = mkdir -p runs data $(CACHE_DIR)
+mount_dirs = mkdir -p $(RUNS_DIR) data $(CACHE_DIR)
 
 .PHONY: help setup demo test test-fast patch-check $(STEPS) full clean-runs image images lock-images doctor plan compare engine
 

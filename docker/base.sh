@@ -27,6 +27,12 @@ say() { echo "base: $*" >&2; }
 locked=$(awk -v r="$REF" '$1 == r {print $2}' "$LOCK" 2>/dev/null)
 packages_of() { tar -xOf "$1" ./var/lib/dpkg/status | awk '/^Package:/{p=$2} /^Version:/{print p"="$2}' | sort; }
 
+# 0) the locked base is already imported: nothing to do
+if [ -z "$LOCK_MODE" ] && [[ "$locked" == sha256:* ]] \
+   && [ "$("$DOCKER" image inspect "$REF-${locked:7:12}" --format '{{json .RootFS.Layers}}' 2>/dev/null)" = "[\"$locked\"]" ]; then
+  echo "$REF-${locked:7:12}"; exit 0
+fi
+
 # 1) the rootfs: reuse the cached tar when it is the locked one, else bootstrap
 sha=""
 [ -f "$TAR" ] && [ -f "$TAR.sha256" ] && sha=$(cat "$TAR.sha256")

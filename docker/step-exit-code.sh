@@ -17,6 +17,11 @@ for step in "$@"; do
     continue
   fi
   read -r _ code state _ <<<"$line"
+  if [ "$state" = created ]; then  # created but never started (compose stopped the chain before it)
+    echo "  $step: not run (created)" >&2
+    missing="$missing $step"
+    continue
+  fi
   echo "  $step: $state, exit $code" >&2
   if [ "$code" != 0 ] && [ -z "$fail" ]; then fail=$code fail_step=$step; fi
 done

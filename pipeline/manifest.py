@@ -141,7 +141,12 @@ def git_commit() -> dict:
             return None
         return r.stdout.strip() if r.returncode == 0 else None
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    commit = git("rev-parse", "HEAD")
+    if commit is None:  # in an image there is no checkout: the commit the image was built from
+        built = (image_facts() or {}).get("git_commit") or "unknown"
+        if built != "unknown":
+            return {"commit": built.removesuffix("-dirty"), "dirty": built.endswith("-dirty"), "source": "image"}
+    return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def host_facts() -> dict:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import Config
+from .config import REPO_ROOT, Config
 from .manifest import read_manifest
 
 ORDER = ["model", "prepare", "extract", "verify", "vocab", "train", "eval"]
@@ -51,7 +51,7 @@ def build(cfg: Config) -> str:
     ]
     for s in ORDER:
         x = m[s]
-        lines.append(f"| {s} | {'complete' if x else 'missing'} | {x['seconds'] if x else '-'} | `{cfg.step_dir(s)}` |")
+        lines.append(f"| {s} | {'complete' if x else 'missing'} | {x['seconds'] if x else '-'} | `{shown(cfg.step_dir(s))}` |")
     total = sum(x["seconds"] for x in m.values() if x)
     lines += ["", f"Total step time: {total / 60:.1f} min.", ""]
     artifacts = [
@@ -60,8 +60,14 @@ def build(cfg: Config) -> str:
         ("acceptance report", cfg.step_dir("eval") / "eval.md"),
         ("per-position acceptance plot", cfg.step_dir("eval") / "acceptance.png"),
     ]
-    lines += ["## Artifacts", ""] + [f"- {name}: `{path}`" for name, path in artifacts] + [""]
+    lines += ["## Artifacts", ""] + [f"- {name}: `{shown(path)}`" for name, path in artifacts] + [""]
     return "\n".join(lines)
+
+
+def shown(path) -> str:
+    """A path as the reader finds it: relative to the checkout (the same in a container, whose repo root differs)."""
+    p = Path(str(path))
+    return str(p.relative_to(REPO_ROOT)) if p.is_absolute() and p.is_relative_to(REPO_ROOT) else str(p)
 
 
 def run(cfg: Config, out: Path) -> dict:

