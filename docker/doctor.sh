@@ -37,10 +37,19 @@ else
   ARCHS="" DRIVER_MIN=""
 fi
 MACHINE_ARCH=""
+CPU_MACHINE=""
 if [ -n "$MACHINE" ]; then
   if [ -f "docker/machines/$MACHINE.yaml" ]; then
     MACHINE_ARCH=$(sed -n 's/^x-gpu-arch:[[:space:]]*\([a-z0-9_]*\).*/\1/p' "docker/machines/$MACHINE.yaml")
-    if [[ " $ARCHS " == *" $MACHINE_ARCH "* ]]; then say machine "$MACHINE ($MACHINE_ARCH): covered by $STACK"
+    if grep -q '^x-flavor:[[:space:]]*cpu' "docker/machines/$MACHINE.yaml"; then
+      CPU_MACHINE=1
+      say machine "$MACHINE: no GPUs, the cpu flavor (make image STACK=$STACK FLAVOR=cpu)"
+      base=$(awk '$1 == "eagle3-factory-base:bookworm" {print $2}' "$LOCK" 2>/dev/null)
+      case "$base" in
+        sha256:*) say "cpu base" "eagle3-factory-base:bookworm $base (the gpu lock above matters only to gpu images)" ;;
+        *) problem "cpu base" "not pinned in $LOCK: make lock-images FLAVOR=cpu" ;;
+      esac
+    elif [[ " $ARCHS " == *" $MACHINE_ARCH "* ]]; then say machine "$MACHINE ($MACHINE_ARCH): covered by $STACK"
     else problem machine "$MACHINE is $MACHINE_ARCH, which $STACK does not cover (GPU_ARCHS: $ARCHS)"; fi
   else
     problem machine "no docker/machines/$MACHINE.yaml"
@@ -55,6 +64,7 @@ if command -v docker >/dev/null 2>&1; then
     say engine "$server"
     runtimes=$(timeout 10 docker info --format '{{json .Runtimes}}' 2>/dev/null)
     if [[ "$runtimes" == *nvidia* ]]; then say "nvidia runtime" "registered with the engine"
+    elif [ -n "$CPU_MACHINE" ]; then say "nvidia runtime" "not registered (not needed by the cpu flavor)"
     else problem "nvidia runtime" "not registered: install nvidia-container-toolkit, sudo nvidia-ctk runtime configure --runtime=docker, sudo systemctl restart docker"; fi
     if timeout 10 docker image inspect "$IMAGE" >/dev/null 2>&1; then
       say image "$IMAGE $(docker image inspect --format '{{index .Config.Labels "io.eagle3-factory.patch-series-sha256"}}' "$IMAGE" 2>/dev/null | cut -c1-12)"
@@ -62,14 +72,14 @@ if command -v docker >/dev/null 2>&1; then
       say image "$IMAGE not built yet (make image STACK=$STACK)"
     fi
   else
-    problem engine "no Docker engine answers here: RUNNER=docker cannot work; make <step> defaults to RUNNER=local"
+    problem engine "no Docker engine answers here: make engine installs/starts one (Debian/Ubuntu, root); until then make <step> runs with RUNNER=local"
   fi
   compose=$(docker compose version --short 2>/dev/null | sed 's/^v//')
   if [ -z "$compose" ]; then problem compose "docker compose v2 plugin not found"
   elif version_ge "$compose" 2.27.0; then say compose "$compose"
   else problem compose "$compose < 2.27.0: make full needs up --abort-on-container-failure"; fi
   buildx=$(docker buildx version 2>/dev/null | awk '{print $2}')
-  if [ -n "$buildx" ]; then say buildx "$buildx"; else problem buildx "docker buildx plugin not found (make lock-images needs it; BuildKit builds need it)"; fi
+  if [ -n "$buildx" ]; then say buildx "$buildx"; else say buildx "not installed: make image uses the classic builder; make lock-images FLAVOR=gpu needs buildx"; fi
 else
   problem cli "docker CLI not found"
 fi
@@ -82,7 +92,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(timeout 30 nvidia-smi --query-gpu=index,name,compute_cap,driver_version,memory.total --format=csv,noheader 2>/dev/null)
 fi
 if [ -z "$gpus" ]; then
-  say none "no NVIDIA GPU or driver on this host (nvidia-smi $(command -v nvidia-smi >/dev/null && echo failed || echo 'not found')): GPU steps cannot run here; the CPU path is RUNNER=local"
+  say none "no NVIDIA GPU or driver on this host (nvidia-smi $(command -v nvidia-smi >/dev/null && echo failed || echo 'not found')): GPU steps cannot run here; the CPU paths are MACHINE=cpu (containers) and RUNNER=local (venv)"
 else
   while IFS=, read -r idx name cap driver mem; do
     cap=${cap// /}; driver=${driver// /}

@@ -169,6 +169,15 @@ def compare_eval(pa: Path, pb: Path) -> dict:
             "identical": not changed and set(deltas) <= timing}
 
 
+def _what_it_computes(m: dict) -> dict | None:
+    """A manifest's config sections without where the run lives (run.name, run.runs_dir: not what it computes)."""
+    sections = json.loads(json.dumps(m.get("config_sections")))
+    if isinstance(sections, dict) and isinstance(sections.get("run"), dict):
+        for k in ("name", "runs_dir"):
+            sections["run"].pop(k, None)
+    return sections
+
+
 def compare_runs(a: Path, b: Path, max_files: int = 0) -> dict:
     steps = []
     first = None
@@ -184,7 +193,7 @@ def compare_runs(a: Path, b: Path, max_files: int = 0) -> dict:
             row["status"] = f"complete only in {'b' if ma is None else 'a'}"
             row["identical"] = False
         else:
-            row["same_config_sections"] = ma.get("config_sections") == mb.get("config_sections")
+            row["same_config_sections"] = _what_it_computes(ma) == _what_it_computes(mb)
             row["same_inputs"] = ma.get("inputs") == mb.get("inputs")
             row["same_outputs_hash"] = ma.get("outputs_hash") == mb.get("outputs_hash")
             if step == "extract":

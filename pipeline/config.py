@@ -164,6 +164,13 @@ class EngineConfig:
         return out
 
 
+
+def repo_relative(path) -> str:
+    """A path as recorded and shown: relative to the checkout when inside it, so a run made in a container (whose
+    checkout is /opt/eagle3-factory) and one made in the venv record the same thing."""
+    p = Path(str(path))
+    return str(p.relative_to(REPO_ROOT)) if p.is_absolute() and p.is_relative_to(REPO_ROOT) else str(p)
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from .config import Config
+from .config import Config, repo_relative
 from .hidden_states import DIGESTS, META, check_header, content_digests, file_name
 from .layers import CONVENTION, LayerIdError, default_layer_ids, num_layers, validate
 from .manifest import StepError, sha256_json, stack_description
@@ -140,7 +140,7 @@ def run(cfg: Config, out: Path, shard: tuple[int, int] | None = None) -> dict:
         "num_hidden_layers": n,
         "hidden_size": hidden,
         "dtype": cfg.model.dtype,
-        "model": str(cfg.model_path),
+        "model": repo_relative(cfg.model_path),  # the same in a container and in the venv
         "precision": cfg.model.precision,
         "format": {"hidden_states": "[T, len(layer_ids), H]", "token_ids": "[T]"},
     }

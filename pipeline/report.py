@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import REPO_ROOT, Config
+from .config import Config, repo_relative as shown
 from .manifest import read_manifest
 
 ORDER = ["model", "prepare", "extract", "verify", "vocab", "train", "eval"]
@@ -63,11 +63,6 @@ def build(cfg: Config) -> str:
     lines += ["## Artifacts", ""] + [f"- {name}: `{shown(path)}`" for name, path in artifacts] + [""]
     return "\n".join(lines)
 
-
-def shown(path) -> str:
-    """A path as the reader finds it: relative to the checkout (the same in a container, whose repo root differs)."""
-    p = Path(str(path))
-    return str(p.relative_to(REPO_ROOT)) if p.is_absolute() and p.is_relative_to(REPO_ROOT) else str(p)
 
 
 def run(cfg: Config, out: Path) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import shutil
@@ -103,17 +104,25 @@ def runs_dir():
 def data_run(smollm2, runs_dir):
     """The data half of the pipeline on 24 conversations; the config and its step manifests."""
     cfg = load_config(write_config(runs_dir / "data.toml", runs_dir, "data", **SMALL))
+    t0 = time.time()
     for step in ("model", "prepare", "extract", "verify"):
         run(cfg, step)
+    WALL["data_run"] = time.time() - t0
     return cfg
 
 
 @pytest.fixture(scope="session")
 def trained_run(data_run):
     """data_run carried through vocab, train, eval and report (real speculators, real vLLM)."""
+    t0 = time.time()
     for step in ("vocab", "train", "eval", "report"):
         run(data_run, step)
+    WALL["trained_run"] = time.time() - t0
     return data_run
+
+
+# wall seconds of the session fixtures' pipeline runs (tests/test_docker.py sets the container run beside them)
+WALL: dict[str, float] = {}
 
 
 def clone_run(cfg, name: str, runs_dir, **sections):

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, write_config
+from conftest import SMALL, WALL, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "configs/smollm2-cpu-tiny.toml"
 STEPS = ["model", "prepare", "extract", "verify", "vocab", "train", "eval", "report"]
 STACK = "vllm-0.32"
 IMAGE = f"eagle3-factory:{STACK}-cpu"
+BASE_DRIFTED: list[bool] = []  # set by cpu_image when Debian moved since the lock was written
 KNOBS = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "RUNNER", "MACHINE", "STACK", "CONFIG", "IMAGE",
          "IMAGE_REPO", "MODELS_DIR", "ALLOW_UNPINNED", "LOCK_FILE", "ARGS", "VENV", "FLAVOR", "RUN_AS", "CA_BUNDLE",
          "CACHE_DIR", "RUNS_DIR", "HAS_GPU"}
@@ -69,6 +70,7 @@ def cpu_image() -> str:
         import warnings
 
         warnings.warn("the Debian base drifted from docker/images.lock (make lock-images FLAVOR=cpu):\n" + proc.stderr)
+        BASE_DRIFTED.append(True)
         proc = make("image", f"STACK={STACK}", "FLAVOR=cpu", "ALLOW_UNPINNED=1")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return IMAGE
@@ -141,13 +143,27 @@ def test_full_chain_in_containers_matches_the_venv_run(container_run, trained_ru
     ext = steps["extract"]
     if not ext["identical"]:  # bf16 CPU kernels: verify's statistic and threshold, as for two venv re-extractions
         assert ext["contents"]["min_layer_mean_cosine"] >= 0.999, ext
-    a = json.loads((container_run / "eval" / "eval.json").read_text())
-    b = json.loads((trained_run.run_dir / "eval" / "eval.json").read_text())
-    assert a["acceptance_length"] == b["acceptance_length"], (a["acceptance_length"], b["acceptance_length"])
-    assert a["outputs_identical_to_baseline"] == b["outputs_identical_to_baseline"]
+    a = json.loads((container_run / "eval" / "eval.json").read_text())["drafters"]["trained"]
+    b = json.loads((trained_run.run_dir / "eval" / "eval.json").read_text())["drafters"]["trained"]
+    # the same AL; where bf16 extraction noise moved the trained weights (as between two venv runs) at most one
+    # accepted token per 100 drafts apart
+    if ext["identical"]:
+        assert a["acceptance_length"] == b["acceptance_length"], (a, b)
+    assert abs(a["acceptance_length"] - b["acceptance_length"]) <= 0.01, (a, b)
+    assert a["outputs_identical_to_baseline"] == b["outputs_identical_to_baseline"] == "8/8"
     (container_run.parent / "compare-summary.json").write_text(json.dumps(
-        {"compare_rc": rc, "identical": {s: steps[s]["identical"] for s in steps},
-         "al_container": a["acceptance_length"], "al_venv": b["acceptance_length"]}, indent=1))
+        {"compare_rc": rc, "steps": {s: steps[s]["status"] for s in steps}, "extract": ext.get("contents"),
+         "al_container": a["acceptance_length"], "al_venv": b["acceptance_length"],
+         **wall_ratio(container_run)}, indent=1))
+    print(json.dumps(wall_ratio(container_run)))
+
+
+def wall_ratio(container_run: Path) -> dict:
+    """make full in containers against the same steps run in-process by the venv fixtures (when both ran here)."""
+    docker_s = float((container_run.parent / "wall_s.txt").read_text())
+    venv_s = WALL.get("data_run", 0) + WALL.get("trained_run", 0)
+    return {"container_wall_s": round(docker_s, 1), "venv_wall_s": round(venv_s, 1) if venv_s else None,
+            "ratio": round(docker_s / venv_s, 3) if WALL.get("data_run") and WALL.get("trained_run") else None}
 
 
 def test_single_step_in_its_container_as_another_user(container_run, docker_runs):
@@ -198,11 +214,16 @@ def test_killed_extract_resumes(container_run, docker_runs):
     first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.time() + 600
-        while time.time() < deadline and len(list((run / "extract").glob("*/hs_*.safetensors"))) < 4:
+        ids: list[str] = []
+        while not ids and time.time() < deadline:  # the container, found before it writes anything
             assert first.poll() is None, first.stdout.read()
-            time.sleep(0.5)
-        ids = docker("ps", "-q", "--filter", "label=com.docker.compose.service=extract").stdout.split()
+            ids = docker("ps", "-q", "--filter", "label=com.docker.compose.service=extract").stdout.split()
+            time.sleep(0.2)
         assert len(ids) == 1, ids
+        # the 21 files come within about two seconds once the server is up: poll tightly, kill at the second
+        while time.time() < deadline and len(list((run / "extract").glob("*/hs_*.safetensors"))) < 2:
+            assert first.poll() is None, first.stdout.read()
+            time.sleep(0.02)
         assert docker("kill", ids[0]).returncode == 0
         first.wait(timeout=120)
     finally:
@@ -265,15 +286,19 @@ def test_a_drifted_patch_fails_the_build_naming_the_hunk(cpu_image, docker_runs)
 
 
 def test_a_drifted_base_is_refused_naming_the_packages(cpu_image, docker_runs):
-    """A lock whose base digest is not what the bootstrap gives now (Debian moved) stops make image."""
+    """A lock whose base digest is not what the bootstrap gives now (Debian moved) stops make image. The bootstrap
+    it makes to find out is also the reproducibility check: it must give the real lock's digest again."""
     lock = docker_runs.parent / "drifted.lock"
     text = (REPO / "docker" / "images.lock").read_text()
+    real = re.search(r"^eagle3-factory-base:bookworm (sha256:\w+)", text, re.M).group(1)
     lock.write_text(re.sub(r"^(eagle3-factory-base:bookworm) sha256:\w+", r"\1 sha256:" + "0" * 64, text, flags=re.M))
     proc = make("image", f"STACK={STACK}", "FLAVOR=cpu", f"LOCK_FILE={lock}", "IMAGE=eagle3-factory:test-drifted-base",
                 timeout=900)
     assert proc.returncode != 0
     assert "pins sha256:" + "0" * 64 in proc.stderr and "make lock-images FLAVOR=cpu" in proc.stderr, proc.stderr
     assert "Step 1/" not in proc.stdout, "the build must not start from a drifted base"
+    if not BASE_DRIFTED:
+        assert f"rootfs is {real} " in proc.stderr, "a fresh bootstrap did not reproduce the locked base"
 
 
 def test_the_image_holds_nothing_of_the_host(cpu_image):
