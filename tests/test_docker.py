@@ -195,7 +195,7 @@ def test_a_failing_step_stops_the_chain_and_is_named(container_run, docker_runs)
     proc = make("full", "RUNNER=docker", f"CONFIG={TINY}", f"RUNS_DIR={root}", timeout=900)
     assert proc.returncode not in (0, None), proc.stderr
     m = re.search(r"make full: step (\w+) failed with exit (\d+)", proc.stderr)
-    assert m and m.group(1) == "train" and int(m.group(2)) == proc.returncode, proc.stderr
+    assert m and m.group(1) == "train" and int(m.group(2)) != 0, proc.stderr  # (make itself exits 2)
     for step in ("model", "prepare", "extract", "verify", "vocab"):
         assert f"{step}: exited, exit 0" in proc.stderr
     assert "eval: not run" in proc.stderr and "report: not run" in proc.stderr, proc.stderr
