@@ -10,7 +10,7 @@
 #   make extract SHARD=i/n         shard i of n of the extraction (one per node/volume; the last one writes the manifest)
 #   make compare RUN_A=runs/a RUN_B=runs/b                         where two runs first diverge, and by how much
 # Knobs (command line or environment): CONFIG STACK RUNNER MACHINE FLAVOR ARGS IMAGE MODELS_DIR ALLOW_UNPINNED SHARD RUN_A RUN_B
-# RUN_AS CA_BUNDLE HOST_FILES_PORT.
+# RUN_AS RUNS_DIR CACHE_DIR CA_BUNDLE HOST_FILES_PORT.
 # `make -n` is safe: every $(shell ...) below only reads.
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
