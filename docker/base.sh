@@ -27,9 +27,11 @@ say() { echo "base: $*" >&2; }
 locked=$(awk -v r="$REF" '$1 == r {print $2}' "$LOCK" 2>/dev/null)
 packages_of() { tar -xOf "$1" ./var/lib/dpkg/status | awk '/^Package:/{p=$2} /^Version:/{print p"="$2}' | sort; }
 
+# imported TAG DIGEST: the engine has TAG and its only layer is DIGEST
+imported() { [ "$("$DOCKER" image inspect "$1" --format '{{json .RootFS.Layers}}' 2>/dev/null)" = "[\"$2\"]" ]; }
+
 # 0) the locked base is already imported: nothing to do
-if [ -z "$LOCK_MODE" ] && [[ "$locked" == sha256:* ]] \
-   && [ "$("$DOCKER" image inspect "$REF-${locked:7:12}" --format '{{json .RootFS.Layers}}' 2>/dev/null)" = "[\"$locked\"]" ]; then
+if [ -z "$LOCK_MODE" ] && [[ "$locked" == sha256:* ]] && imported "$REF-${locked:7:12}" "$locked"; then
   echo "$REF-${locked:7:12}"; exit 0
 fi
 
@@ -80,8 +82,7 @@ fi
 
 # 3) the image: imported once per digest; the tag names the digest
 TAG="$REF-${sha:0:12}"
-have=$("$DOCKER" image inspect "$TAG" --format '{{json .RootFS.Layers}}' 2>/dev/null || true)
-if [ "$have" != "[\"sha256:$sha\"]" ]; then
+if ! imported "$TAG" "sha256:$sha"; then
   "$DOCKER" import --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' \
     --message "mmdebstrap $SUITE $BASE_VARIANT +$BASE_INCLUDE SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH" "$TAR" "$TAG" >/dev/null
   say "imported $TAG"

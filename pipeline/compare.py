@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from .config import RUN_LOCATION_KEYS
 from .manifest import MANIFEST, read_manifest, sha256_file
 
 ORDER = ["model", "prepare", "extract", "verify", "vocab", "train", "eval", "report"]
@@ -173,7 +174,7 @@ def _what_it_computes(m: dict) -> dict | None:
     """A manifest's config sections without where the run lives (run.name, run.runs_dir: not what it computes)."""
     sections = json.loads(json.dumps(m.get("config_sections")))
     if isinstance(sections, dict) and isinstance(sections.get("run"), dict):
-        for k in ("name", "runs_dir"):
+        for k in RUN_LOCATION_KEYS:
             sections["run"].pop(k, None)
     return sections
 

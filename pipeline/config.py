@@ -165,6 +165,10 @@ class EngineConfig:
 
 
 
+# run keys that say where a run lives, not what it computes (left out of fingerprints and of compare)
+RUN_LOCATION_KEYS = ("name", "runs_dir")
+
+
 def repo_relative(path) -> str:
     """A path as recorded and shown: relative to the checkout when inside it, so a run made in a container (whose
     checkout is /opt/eagle3-factory) and one made in the venv record the same thing."""
@@ -204,7 +208,7 @@ class Config:
         """Hash of the named sections: a step's fingerprint uses only what it depends on."""
         blob = {s: dataclasses.asdict(getattr(self, s)) for s in sections}
         if "run" in blob:  # where a run lives does not change what it computes
-            blob["run"] = {k: v for k, v in blob["run"].items() if k not in ("name", "runs_dir")}
+            blob["run"] = {k: v for k, v in blob["run"].items() if k not in RUN_LOCATION_KEYS}
         for section, key in _NOT_FINGERPRINTED:
             if section in blob:
                 blob[section].pop(key, None)
