@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="redo the step even if its manifest is complete")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     ap.add_argument("--shard", metavar="I/N", help="extract only: shard I of N (samples whose index %% N == I)")
+    ap.add_argument("--redo-failed", action="store_true",
+                    help="extract only: re-extract exactly the files the last verify failed (verify/failed.json)")
     plan = ap.add_argument_group("plan only")
     plan.add_argument("--target-config", help="the target's config.json (default: <model.path>/config.json)")
     plan.add_argument("--conversations", type=int, help="plan for this many samples instead of the prepared data")
@@ -62,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         shard = parse_shard(args.shard) if args.shard else None
         if shard and args.step != "extract":
             raise StepError("--shard applies to the extract step only")
+        if args.redo_failed:
+            if args.step != "extract" or shard:
+                raise StepError("--redo-failed applies to the extract step only, without --shard")
+            from .extract import forget_failed
+
+            forget_failed(cfg)
         for step in STEPS if args.step == "all" else [args.step]:
             run(cfg, step, force=args.force, shard=shard)
     except (ConfigError, StepError) as e:

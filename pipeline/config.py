@@ -76,8 +76,12 @@ class ExtractConfig:
 
 @dataclass
 class VerifyConfig:
-    parity_samples: int = 8
-    min_cosine: float = 0.999
+    parity_samples: int = 8          # files compared in full against transformers (0 = all)
+    min_cosine: float = 0.999        # per layer, mean per-token cosine against transformers
+    max_norm_deviation: float = 0.02  # |log norm ratio| against transformers, median over layers (rescaling)
+    prefix_tokens: int = 16          # every file: these first positions against a transformers forward (0 = off)
+    prefix_min_cosine: float = 0.995  # per layer, over those positions (adjacent layers: <= 0.977 on SmolLM2)
+    head_positions: int = 32         # every file: positions where the target's head must predict the next token
 
 
 @dataclass

@@ -317,6 +317,42 @@ def _check_tokens(path: Path, ids: list[int]) -> str | None:
     return None if got == ids else "token_ids differ from the prompt"
 
 
+def forget_failed(cfg: Config) -> int:
+    """`extract --redo-failed`: delete the files verify failed (runs/<run>/verify/failed.json) and the step's
+    manifest, so the next extract run redoes exactly those and reuses every other file. A listed file that changed
+    since verify read it (its sha256 differs) is kept: it is not the file verify judged."""
+    from .manifest import MANIFEST, sha256_file
+    from .verify import FAILED
+
+    record = cfg.step_dir("verify") / FAILED
+    if not record.exists():
+        raise StepError(f"--redo-failed: {record} does not exist; it is written when verify fails "
+                        f"(run `python -m pipeline verify --config {cfg.source_path}` first)")
+    try:
+        files = json.loads(record.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise StepError(f"--redo-failed: {record} is not verify's failure record ({e}); rerun verify") from None
+    out = cfg.step_dir("extract")
+    deleted = kept = 0
+    for name, entry in sorted(files.items()):
+        split, _, fname = name.partition("/")
+        if split not in SPLITS or "/" in fname or not fname.startswith("hs_"):
+            raise StepError(f"--redo-failed: {record} names {name!r}, which is not an extracted file; rerun verify")
+        path = out / name
+        if not path.exists():
+            continue  # missing: extract redoes it anyway
+        if entry.get("sha256") and sha256_file(path) != entry["sha256"]:
+            print(f"[extract] --redo-failed: {name} changed since verify failed it; kept (verify judges it again)")
+            kept += 1
+            continue
+        path.unlink()
+        deleted += 1
+    (out / MANIFEST).unlink(missing_ok=True)
+    print(f"[extract] --redo-failed: {deleted} file(s) verify failed deleted, to be extracted again"
+          + (f"; {kept} changed since, kept" if kept else ""))
+    return deleted
+
+
 def forget_shard(cfg: Config, out: Path, shard: tuple[int, int]) -> None:
     """Delete shard i/n's files and fragment (--force on one shard redoes only that shard)."""
     for split, i, _ in shard_of(load_samples(cfg), shard):

@@ -34,6 +34,7 @@ def build(cfg: Config) -> str:
         f"{get('extract', 'tokens_per_s')} tokens/s extraction.",
         f"- Verify: {get('verify', 'files_checked')} files checked, parity on {get('verify', 'parity_files')}; "
         f"min mean cosine per layer {get('verify', 'min_mean_cosine_per_layer')}.",
+        *verify_lines(get("verify", "checks", {}) or {}),
         f"- Draft vocab: {get('vocab', 'draft_vocab_size')} of {get('vocab', 'target_vocab_size')} tokens, coverage "
         f"{get('vocab', 'coverage_train')} (train) / {get('vocab', 'coverage_eval')} (eval).",
         f"- Training: {get('train', 'epochs')} epochs on {get('train', 'train_samples')} samples, final val {get('train', 'final_val')}, "
@@ -70,3 +71,22 @@ def run(cfg: Config, out: Path) -> dict:
     (out / "report.md").write_text(text)
     print("\n" + text)
     return {"summary": {"report": str(out / "report.md")}}
+
+
+def verify_lines(checks: dict) -> list[str]:
+    """What verify's content checks covered, with their thresholds (pipeline/verify_content.py)."""
+    if not checks:
+        return []
+    pp, head, z, d = (checks.get(k, {}) for k in ("prefix-parity", "head", "zero-rows", "duplicate"))
+    lines = [f"  - every file: no all-zero token rows ({z.get('files_with_zero_rows')} files with any); no duplicated "
+             f"states ({d.get('groups_found')} groups); prefix parity over the first {pp.get('prefix_tokens')} tokens of "
+             f"{pp.get('files_checked')} files ({pp.get('reference_forwards')} reference forwards; cosine >= "
+             f"{pp.get('min_cosine')}, norm within ±{pp.get('max_norm_deviation')}; passing files' min cosine per layer "
+             f"{pp.get('passing_files_min_cosine_per_layer')})"]
+    if head.get("covered"):
+        lines.append(f"  - target head on the final state: top-{head['top_k']} next-token rate at {head['positions_checked']} "
+                     f"positions of {head['files_checked']} files, threshold {head['threshold']} (clean files calibrated "
+                     f"on {head['calibration_files']}: min {head['clean_rate_min']}, mean {head['clean_rate_mean']})")
+    else:
+        lines.append(f"  - target head check not covered: {head.get('why')}")
+    return lines

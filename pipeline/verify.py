@@ -1,85 +1,173 @@
-"""`verify` step: the extracted hidden states are what they claim to be.
+"""`verify` step: the extracted hidden states are what they claim to be, in every file.
 
-1. Every file: shape [T, L, H] with L = number of layer ids, token ids equal to the prepared sample,
-   all values finite, dtype as configured.
-2. Parity on a seeded sample of files (verify.parity_samples; 0 = all): an independent transformers
-   forward pass over the same tokens; per layer, the mean per-token cosine similarity must be at least
-   verify.min_cosine at the HF index the layer-id convention prescribes. A file shifted by one layer,
-   or captured with another convention, fails here.
-Any failure makes the step fail (no manifest), listing every bad file.
+1. Structure, every file: shape [T, L, H] with L = number of layer ids, token ids equal to the prepared sample,
+   all values finite, dtype as configured; every sample exactly once (coverage, shard records).
+2. Content, every file (pipeline/verify_content.py): no all-zero token rows; the first verify.prefix_tokens
+   positions against a transformers forward pass over those tokens (cosine and norm per layer); the target's own
+   head on the final pre-norm state predicts the prepared next tokens as often as on clean data; no two files
+   with the same states for different tokens.
+3. Parity on a seeded sample of files (verify.parity_samples; 0 = all): an independent transformers forward
+   pass over all tokens; per layer, the mean per-token cosine must be at least verify.min_cosine (and the norm
+   within verify.max_norm_deviation) at the HF index the layer-id convention prescribes. These files also
+   calibrate the head check.
+Any failure makes the step fail (no manifest), listing every bad file with the check that caught it in
+problems.txt and failed.json; `python -m pipeline extract --redo-failed` re-extracts exactly those files.
 """
 from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 from .config import Config
 from .extract import SPLITS
 from .hidden_states import META, file_name
-from .manifest import StepError, require_manifest
+from .manifest import StepError, require_manifest, write_json_atomic
 
 DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+FAILED = "failed.json"  # {"extract_outputs_hash", "files": {name: {"sha256", "problems": [{"check", "reason"}]}}}
+
+
+def parity_sample(cfg: Config, names: list[str]) -> list[str]:
+    """The seeded sample of file names that get the full parity check (and calibrate the head check)."""
+    k = cfg.verify.parity_samples
+    return list(names) if k <= 0 or k >= len(names) else random.Random(cfg.run.seed).sample(list(names), k)
 
 
 def run(cfg: Config, out: Path) -> dict:
     import torch
-    from datasets import load_from_disk
     from safetensors import safe_open
     from tqdm import tqdm
+
+    from .engines.hf_reference import hidden_states, load_model
+    from .verify_content import ContentChecks, norm_problems
 
     src = cfg.step_dir("extract")
     extract_manifest = require_manifest(cfg, "extract")
     meta = json.loads((src / META).read_text())
-    layer_ids = meta["layer_ids"]
-    problems, files, broken = structural_problems(cfg)
-
-    rng = random.Random(cfg.run.seed)
-    k = cfg.verify.parity_samples
-    sample = files if k <= 0 or k >= len(files) else rng.sample(files, k)
-    sample = [f for f in sample if f[0] not in broken]  # already failed; parity needs a readable file
-    from .engines.hf_reference import hidden_states, load_model
+    layer_ids, hidden = meta["layer_ids"], meta["hidden_size"]
+    samples = load_prepared(cfg)  # name -> (ids, loss mask)
+    names = list(samples)
+    expected = [(n.split("/")[0], int(n.split("_")[1].split(".")[0])) for n in names]
+    general = [p for p in coverage_problems(src, expected) if not p.endswith(": missing")]  # missing: per file
+    sample = set(parity_sample(cfg, names))
 
     model = load_model(cfg.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+    checks = ContentChecks(model, layer_ids, meta["num_hidden_layers"], cfg.verify.prefix_tokens,
+                           cfg.verify.head_positions, cfg.verify.prefix_min_cosine, cfg.verify.max_norm_deviation,
+                           cfg.run.seed)
+    structural: dict[str, list[str]] = {}
+    t0 = time.time()
+    for name in tqdm(names, desc="verify files", unit="file"):
+        ids, mask = samples[name]
+        found, hs = read_checked(src / name, ids, len(layer_ids), hidden, cfg.model.dtype)
+        if found:
+            structural[name] = found
+        else:
+            checks.add(name, hs, ids, mask, calibrate=name in sample)
+    content_s = time.time() - t0
+
     per_layer: dict[int, list[float]] = {lid: [] for lid in layer_ids}
-    parity = []
-    for path, ids in tqdm(sample, desc="parity vs transformers", unit="file"):
-        with safe_open(str(path), "pt") as f:
+    parity, parity_problems, parity_passed = [], {}, set()
+    for name in tqdm([n for n in names if n in sample and n not in structural], desc="parity vs transformers", unit="file"):
+        ids = samples[name][0]
+        with safe_open(str(src / name), "pt") as f:
             got = f.get_tensor("hidden_states").float()
         ref = hidden_states(model, ids, layer_ids).float()
         cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)  # [T, L]
-        row = {"file": str(path.relative_to(src)), "tokens": len(ids)}
+        ratio = (got.norm(dim=-1).clamp_min(1e-12) / ref.norm(dim=-1).clamp_min(1e-12)).log().mean(0)  # [L]
+        row = {"file": name, "tokens": len(ids)}
+        bad = []
         for j, lid in enumerate(layer_ids):
             c = float(cos[:, j].mean())
             per_layer[lid].append(c)
             row[f"cos_{lid}"] = round(c, 6)
             row[f"min_cos_{lid}"] = round(float(cos[:, j].min()), 6)
+            row[f"log_norm_ratio_{lid}"] = round(float(ratio[j]), 5)
             if c < cfg.verify.min_cosine:
-                problems.append(
-                    f"{row['file']}: layer id {lid} mean cosine {c:.4f} < {cfg.verify.min_cosine} against transformers "
-                    f"(wrong layer, wrong convention, misaligned tokens or corrupted values)"
-                )
+                bad.append(f"layer id {lid}: mean cosine {c:.4f} < {cfg.verify.min_cosine} against transformers "
+                           f"(wrong layer, wrong convention, misaligned tokens or corrupted values)")
+        bad += norm_problems(ratio.tolist(), layer_ids, cfg.verify.max_norm_deviation)
+        if bad:
+            parity_problems[name] = bad
+        else:
+            parity_passed.add(name)
         parity.append(row)
+    t1 = time.time()
+    content = checks.finish(parity_passed)
+    content_s += time.time() - t1
     (out / "parity.json").write_text(json.dumps(parity, indent=2) + "\n")
-    if problems:
-        (out / "problems.txt").write_text("\n".join(problems) + "\n")
-        shown = "\n  ".join(problems[:20])
-        raise StepError(
-            f"verify failed: {len(problems)} problem(s) in {src} (all listed in {out / 'problems.txt'}):\n  {shown}\n"
-            f"fix: rerun `make extract` (invalid files are redone) after fixing the cause"
-        )
+
+    failed: dict[str, list[dict]] = {}
+    for name in names:
+        rows = ([{"check": "structure", "reason": r} for r in structural.get(name, [])]
+                + [{"check": f.check, "reason": f.reason} for f in checks.findings.get(name, [])]
+                + [{"check": "parity", "reason": r} for r in parity_problems.get(name, [])])
+        if rows:
+            failed[name] = rows
+    if failed or general:
+        fail(cfg, src, out, extract_manifest, failed, general)
     return {
         # What downstream steps depend on is the verified data itself.
         "outputs_hash": extract_manifest["outputs_hash"],
         "summary": {
-            "files_checked": len(files),
-            "parity_files": len(sample),
+            "files_checked": len(names),
+            "tokens_checked": content["tokens"],
             "layer_ids": layer_ids,
             "layer_id_convention": meta["convention"],
+            "parity_files": len(parity),
             "min_mean_cosine_per_layer": {str(k): round(min(v), 6) for k, v in per_layer.items() if v},
             "threshold": cfg.verify.min_cosine,
+            "checks": {k: v for k, v in content.items() if k not in ("files", "tokens")},
+            "content_checks_s": round(content_s, 1),
         }
     }
+
+
+def fail(cfg: Config, src: Path, out: Path, extract_manifest: dict, failed: dict, general: list[str]) -> None:
+    """Write problems.txt and failed.json (what `extract --redo-failed` redoes) and raise the step's error."""
+    from .manifest import sha256_file
+
+    # the bytes verify judged: --redo-failed deletes a file only while it still holds them
+    write_json_atomic(out / FAILED, {
+        "extract_outputs_hash": extract_manifest["outputs_hash"],
+        "files": {name: {"sha256": sha256_file(src / name) if (src / name).is_file() else None, "problems": rows}
+                  for name, rows in failed.items()},
+        "other_problems": general,
+    })
+    lines = general + [f"{name} [{r['check']}] {r['reason']}" for name, rows in failed.items() for r in rows]
+    (out / "problems.txt").write_text("\n".join(lines) + "\n")
+    by_check: dict[str, int] = {}
+    for rows in failed.values():
+        for c in {r["check"] for r in rows}:
+            by_check[c] = by_check.get(c, 0) + 1
+    # one line per bad file (its checks and first reason); every reason is in problems.txt
+    short = general[:10] + [
+        f"{name}: {', '.join(dict.fromkeys(r['check'] for r in rows))} -- {rows[0]['reason']}"
+        + (f" (+{len(rows) - 1} more)" if len(rows) > 1 else "") for name, rows in list(failed.items())[:30]]
+    more = len(general) - min(len(general), 10) + len(failed) - min(len(failed), 30)
+    shown = "\n  ".join(short + ([f"... and {more} more"] if more else []))
+    counts = ", ".join(f"{c}: {n}" for c, n in sorted(by_check.items()))
+    raise StepError(
+        f"verify failed: {len(failed)} bad file(s) ({counts or 'none'}) and {len(general)} other problem(s) in {src} "
+        f"(all listed in {out / 'problems.txt'} and {out / FAILED}):\n  {shown}\n"
+        f"fix: find the cause, then `python -m pipeline extract --config {cfg.source_path} --redo-failed` "
+        f"(or `make extract ARGS=--redo-failed`) re-extracts only these files, and verify runs again"
+    )
+
+
+def load_prepared(cfg: Config) -> dict[str, tuple[list[int], list[int] | None]]:
+    """{"<split>/hs_<i>.safetensors": (token ids, loss mask)} for every prepared sample, in order."""
+    from datasets import load_from_disk
+
+    out = {}
+    for split in SPLITS:
+        ds = load_from_disk(str(cfg.step_dir("prepare") / split))
+        masks = ds["loss_mask"] if "loss_mask" in ds.column_names else [None] * len(ds)
+        for i, (ids, mask) in enumerate(zip(ds["input_ids"], masks)):
+            out[f"{split}/{file_name(i)}"] = (list(map(int, ids)), list(map(int, mask)) if mask is not None else None)
+    return out
 
 
 def structural_problems(cfg: Config) -> tuple[list[str], list[tuple[Path, list[int]]], set[Path]]:
@@ -142,20 +230,25 @@ def coverage_problems(src: Path, expected: list[tuple[str, int]]) -> list[str]:
 
 def check_file(path: Path, ids: list[int], num_ids: int, hidden: int, dtype: str) -> list[str]:
     """Structural checks of one file; returns the problems found (empty when fine)."""
+    return read_checked(path, ids, num_ids, hidden, dtype)[0]
+
+
+def read_checked(path: Path, ids: list[int], num_ids: int, hidden: int, dtype: str):
+    """(structural problems, hidden_states tensor or None): the file read once for every check."""
     import torch
     from safetensors import safe_open
 
     if not path.exists():
-        return ["missing"]
+        return ["missing"], None
     try:
         with safe_open(str(path), "pt") as f:
             keys = set(f.keys())
             if keys != {"hidden_states", "token_ids"}:
-                return [f"unexpected tensors {sorted(keys)}"]
+                return [f"unexpected tensors {sorted(keys)}"], None
             hs = f.get_tensor("hidden_states")
             tok = f.get_tensor("token_ids")
     except Exception as e:  # safetensors raises several types for corrupt files
-        return [f"unreadable ({type(e).__name__}: {e})"]
+        return [f"unreadable ({type(e).__name__}: {e})"], None
     problems = []
     if list(hs.shape) != [len(ids), num_ids, hidden]:
         problems.append(f"shape {list(hs.shape)} != [T={len(ids)}, layers={num_ids}, H={hidden}]")
@@ -166,4 +259,4 @@ def check_file(path: Path, ids: list[int], num_ids: int, hidden: int, dtype: str
         problems.append(f"token ids differ from the prepared sample (first difference at position {first})")
     if not torch.isfinite(hs.float()).all():
         problems.append("non-finite values (NaN/Inf)")
-    return problems
+    return problems, hs

@@ -201,3 +201,41 @@ def test_remote_code_tokenizer_is_an_explicit_opt_in(toy_model):
     run(fast, "model")
     run(fast, "prepare")
     assert summary(fast, "prepare")["assistant_tokens"] == s["assistant_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_toy_verify_content_checks_catch_faults_in_any_file(toy_data_run):
+    """verify's every-file checks on the MLA + MoE toy (random weights, answers not regenerated): the head check
+    says it cannot judge this data, the prefix-parity and zero-row checks still name each faulty file."""
+    import random
+    import shutil
+
+    import pytest as _pytest
+
+    from pipeline.engines.hf_reference import load_model
+    from pipeline.manifest import StepError
+    from pipeline.steps import run
+    from pipeline.verify import FAILED, load_prepared, parity_sample
+    from tests.test_verify_content import CONTROL, inject
+
+    head = summary(toy_data_run, "verify")["checks"]["head"]
+    assert head["covered"] is False and "predicts clean data too rarely" in head["why"]
+    shutil.rmtree(TOY_DIR / "runs" / "toy-faults", ignore_errors=True)
+    shutil.copytree(toy_data_run.run_dir, TOY_DIR / "runs" / "toy-faults", symlinks=True)
+    cfg = toy_config("toy-faults")
+    src = cfg.step_dir("extract")
+    names = list(load_prepared(cfg))
+    free = [n for n in names if n not in set(parity_sample(cfg, names))]
+    faults = {"layers_swapped": "prefix-parity", "layer_shifted_by_one": "prefix-parity",
+              "positions_rolled": "prefix-parity", "tail_zeroed": "zero-rows", "scaled_1.05": "prefix-parity"}
+    picked = dict(zip(list(faults) + [CONTROL], random.Random(0).sample(free, len(faults) + 1)))
+    model = load_model(cfg.model_path)
+    for fault, name in picked.items():
+        inject(fault, src / name, None, model, LAYER_IDS)
+    with _pytest.raises(StepError):
+        run(cfg, "verify", force=True)
+    failed = {n: {p["check"] for p in v["problems"]}
+              for n, v in json.loads((cfg.step_dir("verify") / FAILED).read_text())["files"].items()}
+    assert set(failed) == {picked[f] for f in faults}, (failed, picked)
+    for fault, check in faults.items():
+        assert check in failed[picked[fault]], (fault, failed[picked[fault]])

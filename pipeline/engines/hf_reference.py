@@ -19,15 +19,29 @@ def load_model(path, dtype: str = "bfloat16", trust_remote_code: bool = False):
 
 
 def decoder_layers(model):
+    return decoder_base(model).layers
+
+
+def decoder_base(model):
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     if hasattr(base, "language_model"):  # multimodal wrappers (Kimi-K2.5)
         base = base.language_model
-    return base.layers
+    return base
+
+
+def final_norm_and_head(model):
+    """(final norm, output embedding) of the target: what turns vLLM id N (the final pre-norm state) into logits."""
+    head = model.get_output_embeddings()
+    if head is None and hasattr(model, "language_model"):
+        head = model.language_model.get_output_embeddings()
+    return decoder_base(model).norm, head
 
 
 @torch.no_grad()
-def hidden_states(model, token_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """[T, len(layer_ids), H] in vLLM's convention."""
+def hidden_states(model, token_ids, layer_ids: list[int]) -> torch.Tensor:
+    """[T, len(layer_ids), H] in vLLM's convention for one sequence, or [B, T, len(layer_ids), H] for a batch
+    of sequences of one length (a list of lists)."""
+    batch = bool(token_ids) and isinstance(token_ids[0], (list, tuple))
     layers = decoder_layers(model)
     n = len(layers)
     captured = {}
@@ -37,11 +51,12 @@ def hidden_states(model, token_ids: list[int], layer_ids: list[int]) -> torch.Te
 
     handle = layers[-1].register_forward_hook(hook)
     try:
-        out = model(torch.tensor([token_ids]), output_hidden_states=True, use_cache=False)
+        out = model(torch.tensor(token_ids if batch else [token_ids]), output_hidden_states=True, use_cache=False)
     finally:
         handle.remove()
     cols = []
     for lid in layer_ids:
         idx = hf_reference_index(lid, n)
-        cols.append((out.hidden_states[idx] if idx is not None else captured["last"])[0])
-    return torch.stack(cols, dim=1)
+        cols.append(out.hidden_states[idx] if idx is not None else captured["last"])
+    states = torch.stack(cols, dim=2)  # [B, T, L, H]
+    return states if batch else states[0]

@@ -6,7 +6,8 @@ Needs the test suite's data run (.cache/test-runs/data, left by `make test` or
 `pytest tests/test_data_pipeline.py`). Each repeat does what test_sharded_extraction_... does: copy the run,
 delete shard 1/2's files, extract shard 0/2 (reuses) and 1/2 (a real vLLM server), then compares with the
 first extraction (pipeline.compare.compare_extract) and prints bit-identical files, the worst per-file
-per-layer mean cosine, the worst token cosine and how many token cosines fall below 0.999.
+per-layer mean cosine, the worst token cosine and how many token cosines fall below 0.999. Then verify runs on
+the re-extraction (every check on every file): a failure there is a false alarm of verify's checks on clean data.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main() -> None:
     from pipeline.config import load_config
     from pipeline.extract import load_samples, shard_of
     from pipeline.hidden_states import file_name
+    from pipeline.manifest import StepError
     from pipeline.steps import run
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,6 +48,12 @@ def main() -> None:
         print(f"REPEAT {k}: {c['bit_identical']}/{c['files_compared']} bit-identical, worst layer mean cosine "
               f"{c['min_layer_mean_cosine']:.6f}, worst token {c['min_token_cosine']:.5f}, "
               f"{c['token_cosines_below_0.999']}/{c['token_cosines_compared']} token cosines below 0.999", flush=True)
+        try:
+            v = run(cfg, "verify", force=True)["summary"]
+            print(f"REPEAT {k}: verify passed on {v['files_checked']} files (false alarms 0); checks {v['checks']}",
+                  flush=True)
+        except StepError as e:
+            print(f"REPEAT {k}: VERIFY FALSE ALARM on clean data: {e}", flush=True)
     shutil.rmtree(runs / "reextract", ignore_errors=True)
     (runs / "reextract.toml").unlink(missing_ok=True)
 

