@@ -82,6 +82,7 @@ class VerifyConfig:
     prefix_tokens: int = 16          # every file: these first positions against a transformers forward (0 = off)
     prefix_min_cosine: float = 0.995  # per layer, over those positions (adjacent layers: <= 0.977 on SmolLM2)
     head_positions: int = 32         # every file: positions where the target's head must predict the next token
+    head_fraction: float = 0.5       # a file fails below this fraction of the lowest clean (calibration) rate
 
 
 @dataclass

@@ -241,7 +241,7 @@ def load_conversations(stack: str, path: str = "") -> tuple[list[dict], LoadRepo
         source = str(p)
         if p.name.endswith((".jsonl", ".jsonl.gz")):
             records, skipped = [], 0
-            for lineno, line in enumerate(text.splitlines(), 1):
+            for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit inside a JSON string
                 if line.strip():
                     try:
                         records.append(json.loads(line))

@@ -31,7 +31,6 @@ import torch
 LAYER_NORM_FACTOR = 5     # one layer alone may deviate this many times verify.max_norm_deviation (final-layer noise)
 TOP_K = 5                 # head check: the prepared next token must be among the head's top-k
 MIN_INFORMATIVE = 0.3     # lowest clean per-file top-k rate at which the head check can tell clean from corrupt
-HEAD_FRACTION = 0.5       # a file fails below this fraction of the lowest clean file's rate
 PREFIX_BATCH = 16         # files per batched prefix forward pass
 HEAD_BATCH = 16           # files per batched head product
 
@@ -54,6 +53,7 @@ class ContentChecks:
     min_cosine: float          # prefix-parity's (verify.prefix_min_cosine)
     max_norm_deviation: float
     seed: int
+    head_fraction: float = 0.5  # verify.head_fraction
     findings: dict[str, list[Finding]] = field(default_factory=dict)
     _prefix_queue: dict[int, list] = field(default_factory=dict)
     _prefix_stats: list[dict] = field(default_factory=list)
@@ -204,7 +204,7 @@ class ContentChecks:
         if lowest < MIN_INFORMATIVE:
             return {"covered": False, "why": f"the target's head predicts clean data too rarely to judge by "
                                              f"(lowest clean top-{TOP_K} rate {lowest:.2f} < {MIN_INFORMATIVE})", **out}
-        threshold = HEAD_FRACTION * lowest
+        threshold = self.head_fraction * lowest
         rates = {k: h / n for k, (h, n) in self._head_rates.items()}
         for name, rate in sorted(rates.items()):
             if rate < threshold:

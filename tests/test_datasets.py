@@ -37,6 +37,16 @@ def test_malformed_jsonl_names_line(tmp_path):
         load_conversations("vllm-0.32", str(p))
 
 
+def test_jsonl_with_a_unicode_line_separator_inside_a_string(tmp_path):
+    """JSON writers that keep non-ASCII (ensure_ascii=False) leave U+2028/U+2029 raw inside strings; a JSONL record
+    ends at "\n" only (str.splitlines also splits there, which broke a 16k-conversation file at its line 56)."""
+    p = tmp_path / "c.jsonl"
+    rec = {"messages": [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\u2029d"}]}
+    p.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")
+    convs, _ = load_conversations("vllm-0.32", str(p))
+    assert [m["content"] for m in convs[0]["messages"]] == ["a\u2028b", "c\u2029d"]
+
+
 def test_normalize_roles_merge_and_drop():
     rep = LoadReport("x")
     c = normalize({"id": "1", "conversations": [

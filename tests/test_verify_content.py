@@ -126,3 +126,40 @@ def test_redo_failed_without_a_failed_verify_is_a_clear_error(data_run, runs_dir
     cfg = clone_run(data_run, "noredo", runs_dir)
     with pytest.raises(StepError, match=r"verify/failed.json does not exist"):
         forget_failed(cfg)
+
+
+def test_right_states_for_tokens_the_target_would_not_produce_are_a_warning(data_run, runs_dir):
+    """An answer the target does not reproduce (here: its tokens shuffled) with correct states for those tokens: the
+    head check flags the file, the full parity on it passes, so verify passes and lists it as a data warning. (Seen
+    on the H200 quality run: 1 file of 15,068.)"""
+    from datasets import load_from_disk
+
+    from pipeline.engines.hf_reference import hidden_states, load_model
+
+    cfg = clone_run(data_run, "unpredicted", runs_dir)
+    names = list(load_prepared(cfg))
+    sampled = set(parity_sample(cfg, names))
+    k = next(i for i in range(len(names)) if f"train/hs_{i}.safetensors" not in sampled)
+    name = f"train/hs_{k}.safetensors"
+    split_dir = cfg.step_dir("prepare") / "train"
+    ds = load_from_disk(str(split_dir))
+    row = ds[k]
+    answer = [t for t, m in enumerate(row["loss_mask"]) if m]
+    ids = list(row["input_ids"])
+    shuffled = [ids[t] for t in answer]
+    random.Random(0).shuffle(shuffled)
+    for t, tok in zip(answer, shuffled):
+        ids[t] = tok
+    ds = ds.map(lambda r, i: {"input_ids": ids} if i == k else {}, with_indices=True)
+    tmp = split_dir.with_name("train.new")
+    ds.save_to_disk(str(tmp))
+    del ds
+    import shutil
+
+    shutil.rmtree(split_dir)
+    tmp.rename(split_dir)
+    hs = hidden_states(load_model(cfg.model_path), ids, LAYER_IDS)
+    save_file({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(ids, dtype=torch.long)},
+              str(cfg.step_dir("extract") / name))
+    head = run(cfg, "verify", force=True)["summary"]["checks"]["head"]
+    assert head["flagged_then_parity_passed"] == [name]
