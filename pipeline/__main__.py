@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         if shard and args.step != "extract":
             raise StepError("--shard applies to the extract step only")
         if args.redo_failed:
-            if args.step != "extract" or shard:
-                raise StepError("--redo-failed applies to the extract step only, without --shard")
+            if args.step != "extract" or shard or args.force:
+                raise StepError("--redo-failed applies to the extract step only, without --shard or --force "
+                                "(--force redoes every file)")
             from .extract import forget_failed
 
             forget_failed(cfg)

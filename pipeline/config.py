@@ -81,8 +81,8 @@ class VerifyConfig:
     max_norm_deviation: float = 0.02  # |log norm ratio| against transformers, median over layers (rescaling)
     prefix_tokens: int = 16          # every file: these first positions against a transformers forward (0 = off)
     prefix_min_cosine: float = 0.995  # per layer, over those positions (adjacent layers: <= 0.977 on SmolLM2)
-    head_positions: int = 32         # every file: positions where the target's head must predict the next token
-    head_fraction: float = 0.5       # a file fails below this fraction of the lowest clean (calibration) rate
+    head_positions: int = 32         # every file: positions where the target's head must predict the next token (0 = off)
+    head_fraction: float = 0.5       # below this fraction of the lowest clean rate a file is flagged (then full parity)
 
 
 @dataclass

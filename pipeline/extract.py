@@ -341,8 +341,9 @@ def forget_failed(cfg: Config) -> int:
         path = out / name
         if not path.exists():
             continue  # missing: extract redoes it anyway
-        if entry.get("sha256") and sha256_file(path) != entry["sha256"]:
-            print(f"[extract] --redo-failed: {name} changed since verify failed it; kept (verify judges it again)")
+        if not entry.get("sha256") or sha256_file(path) != entry["sha256"]:
+            print(f"[extract] --redo-failed: {name} is not the file verify failed (changed or created since); "
+                  f"kept, verify judges it again")
             kept += 1
             continue
         path.unlink()

@@ -86,7 +86,9 @@ def verify_lines(checks: dict) -> list[str]:
     if head.get("covered"):
         lines.append(f"  - target head on the final state: top-{head['top_k']} next-token rate at {head['positions_checked']} "
                      f"positions of {head['files_checked']} files, threshold {head['threshold']} (clean files calibrated "
-                     f"on {head['calibration_files']}: min {head['clean_rate_min']}, mean {head['clean_rate_mean']})")
+                     f"on {head['calibration_files']}: min {head['clean_rate_min']}, median {head['clean_rate_median']}); "
+                     f"{head.get('flagged_then_parity_passed_count', 0)} flagged file(s) had the right states "
+                     f"(full parity) for tokens the target would not produce")
     else:
         lines.append(f"  - target head check not covered: {head.get('why')}")
     return lines

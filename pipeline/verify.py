@@ -11,7 +11,9 @@
    within verify.max_norm_deviation) at the HF index the layer-id convention prescribes. These files also
    calibrate the head check.
 Any failure makes the step fail (no manifest), listing every bad file with the check that caught it in
-problems.txt and failed.json; `python -m pipeline extract --redo-failed` re-extracts exactly those files.
+problems.txt and failed.json; `python -m pipeline extract --redo-failed` re-extracts exactly those files. A file
+only the head check flags gets the full parity: if its states are right, it is a warning (the tokens are what the
+target would not have produced), listed in the summary, not a failure.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .hidden_states import META, file_name
 from .manifest import StepError, require_manifest, write_json_atomic
 
 DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+MAX_ESCALATIONS = 64  # head-flagged files given the full parity; beyond that many, something systematic is wrong
 FAILED = "failed.json"  # {"extract_outputs_hash", "files": {name: {"sha256", "problems": [{"check", "reason"}]}}}
 
 
@@ -58,9 +61,11 @@ def run(cfg: Config, out: Path) -> dict:
                            cfg.verify.head_positions, cfg.verify.prefix_min_cosine, cfg.verify.max_norm_deviation,
                            cfg.run.seed, cfg.verify.head_fraction)
     structural: dict[str, list[str]] = {}
+    read_stat: dict[str, tuple | None] = {}  # (size, mtime, inode) when verify read the file
     t0 = time.time()
     for name in tqdm(names, desc="verify files", unit="file"):
         ids, mask = samples[name]
+        read_stat[name] = file_stat(src / name)
         found, hs = read_checked(src / name, ids, len(layer_ids), hidden, cfg.model.dtype)
         if found:
             structural[name] = found
@@ -104,19 +109,21 @@ def run(cfg: Config, out: Path) -> dict:
     content = checks.finish(parity_passed)
     # A file only the head check flags may hold the right states for tokens the target would not have produced
     # (an answer it does not reproduce): the full parity decides. Right states: a data warning, not a failure.
-    suspects = [n for n, found in checks.findings.items()
-                if {f.check for f in found} == {"head"} and n not in parity_passed and n not in parity_problems]
-    unpredicted = []
+    head_only = [n for n, found in checks.findings.items() if {f.check for f in found} == {"head"}]
+    unpredicted = [n for n in head_only if n in parity_passed]  # the sample's full parity already decided
+    suspects = [n for n in head_only if n not in parity_passed and n not in parity_problems][:MAX_ESCALATIONS]
     for name in tqdm(suspects, desc="parity on head-flagged files", unit="file", disable=not suspects):
         bad = full_parity(name)
         if bad:
             parity_problems[name] = bad
         else:
             unpredicted.append(name)
-            del checks.findings[name]
+    for name in unpredicted:
+        del checks.findings[name]
     if "head" in content and content["head"].get("covered"):
-        content["head"]["flagged_then_parity_passed"] = unpredicted[:50]
+        content["head"]["flagged_then_parity_passed"] = sorted(unpredicted)[:50]
         content["head"]["flagged_then_parity_passed_count"] = len(unpredicted)
+        content["head"]["flagged_files_given_full_parity"] = len(suspects)
     if unpredicted:
         print(f"[verify] WARNING: {len(unpredicted)} file(s) hold the right states (full parity passed) for tokens the "
               f"target's head does not predict (an answer it would not have produced, e.g. re-tokenized or not "
@@ -133,7 +140,7 @@ def run(cfg: Config, out: Path) -> dict:
         if rows:
             failed[name] = rows
     if failed or general:
-        fail(cfg, src, out, extract_manifest, failed, general)
+        fail(cfg, src, out, extract_manifest, failed, general, read_stat)
     return {
         # What downstream steps depend on is the verified data itself.
         "outputs_hash": extract_manifest["outputs_hash"],
@@ -142,7 +149,7 @@ def run(cfg: Config, out: Path) -> dict:
             "tokens_checked": content["tokens"],
             "layer_ids": layer_ids,
             "layer_id_convention": meta["convention"],
-            "parity_files": len(parity),
+            "parity_files": len(parity) - len(suspects),
             "min_mean_cosine_per_layer": {str(k): round(min(v), 6) for k, v in per_layer.items() if v},
             "threshold": cfg.verify.min_cosine,
             "checks": {k: v for k, v in content.items() if k not in ("files", "tokens")},
@@ -151,15 +158,28 @@ def run(cfg: Config, out: Path) -> dict:
     }
 
 
-def fail(cfg: Config, src: Path, out: Path, extract_manifest: dict, failed: dict, general: list[str]) -> None:
+def file_stat(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def fail(cfg: Config, src: Path, out: Path, extract_manifest: dict, failed: dict, general: list[str],
+         read_stat: dict) -> None:
     """Write problems.txt and failed.json (what `extract --redo-failed` redoes) and raise the step's error."""
     from .manifest import sha256_file
 
-    # the bytes verify judged: --redo-failed deletes a file only while it still holds them
+    def judged(name: str) -> str | None:
+        """sha256 of the bytes verify judged: the file as it is now, if unchanged since verify read it."""
+        now = file_stat(src / name)
+        return sha256_file(src / name) if now is not None and now == read_stat.get(name) else None
+
+    # --redo-failed deletes a file only while it still holds the bytes verify judged
     write_json_atomic(out / FAILED, {
         "extract_outputs_hash": extract_manifest["outputs_hash"],
-        "files": {name: {"sha256": sha256_file(src / name) if (src / name).is_file() else None, "problems": rows}
-                  for name, rows in failed.items()},
+        "files": {name: {"sha256": judged(name), "problems": rows} for name, rows in failed.items()},
         "other_problems": general,
     })
     lines = general + [f"{name} [{r['check']}] {r['reason']}" for name, rows in failed.items() for r in rows]
@@ -179,7 +199,7 @@ def fail(cfg: Config, src: Path, out: Path, extract_manifest: dict, failed: dict
         f"verify failed: {len(failed)} bad file(s) ({counts or 'none'}) and {len(general)} other problem(s) in {src} "
         f"(all listed in {out / 'problems.txt'} and {out / FAILED}):\n  {shown}\n"
         f"fix: find the cause, then `python -m pipeline extract --config {cfg.source_path} --redo-failed` "
-        f"(or `make extract ARGS=--redo-failed`) re-extracts only these files, and verify runs again"
+        f"(or `make extract ARGS=--redo-failed`) re-extracts only these files; then run verify again"
     )
 
 

@@ -5,7 +5,8 @@ values of *every* file and hold them to what the target itself says, cheaply:
 
 - zero-rows     no token row of any layer is all zeros (a zeroed or unwritten tail, a short copy).
 - prefix-parity the first `verify.prefix_tokens` positions of every file against a transformers forward pass
-                over those tokens only (causal: their states do not depend on what follows). Per layer the
+                over those tokens only (causal: their states do not depend on what follows; not so for rotary
+                scalings that depend on the sequence length, e.g. dynamic NTK, where long files may differ). Per layer the
                 mean per-token cosine must reach verify.prefix_min_cosine, and the norm ratio stay within
                 verify.max_norm_deviation (median over layers; norm_problems). Catches swapped or shifted
                 layers, rescaled values and rolled positions in any file. Batched over files, and files that
@@ -14,9 +15,11 @@ values of *every* file and hold them to what the target itself says, cheaply:
                 pre-norm state) at `verify.head_positions` seeded positions per file (answer positions where
                 the prepared loss mask has them): the prepared next token must be in the head's top 5 as often
                 as on clean data. The clean rate is calibrated on the parity sample (files that passed the full
-                parity); a file below half the lowest clean file's rate fails. Catches states of another sample,
-                positions shifted, truncated or zeroed parts. Skipped (said so) when N is not captured or the
-                head does not predict the data (clean rate below 0.3, e.g. random weights on human text).
+                parity); a file below verify.head_fraction (0.5) of the lowest clean rate is flagged, and
+                verify then runs the full parity on it: wrong states fail, right states for tokens the target
+                would not produce are a warning. Catches states of another sample, positions shifted, truncated
+                or zeroed parts. Skipped (said so) when N is not captured or the head does not predict the data
+                (median clean rate below 0.3, e.g. random weights on human text).
 - duplicate     no two files hold the same hidden states for different token ids (one request's output
                 returned twice).
 """
@@ -69,11 +72,18 @@ class ContentChecks:
     def __post_init__(self):
         from .engines.hf_reference import final_norm_and_head
 
-        self.head_ok = self.layer_ids[-1] == self.num_layers
-        if self.head_ok:
+        self.head_ok, self._why = True, None
+        if self.layer_ids[-1] != self.num_layers:
+            self.head_ok, self._why = False, (f"the last captured layer id {self.layer_ids[-1]} is not the final "
+                                              f"pre-norm state (id {self.num_layers}); the head cannot read it")
+        elif self.head_positions <= 0:
+            self.head_ok, self._why = False, "verify.head_positions = 0 turns it off"
+        else:
             norm, head = final_norm_and_head(self.model)
-            self._norm = norm
-            self._head_w = head.weight.detach()
+            if norm is None:
+                self.head_ok, self._why = False, "the target's final norm or output head was not found"
+            else:
+                self._norm, self._head_w = norm, head.weight.detach()
         self._dtype = next(self.model.parameters()).dtype
 
     # ---- per file -------------------------------------------------------------------------------
@@ -192,18 +202,20 @@ class ContentChecks:
 
     def _judge_head(self, parity_passed: set[str]) -> dict:
         if not self.head_ok:
-            return {"covered": False, "why": f"the last captured layer id {self.layer_ids[-1]} is not the final "
-                                             f"pre-norm state (id {self.num_layers}); the head cannot read it"}
+            return {"covered": False, "why": self._why}
         calib = {k: v for k, v in self._calibration.items() if k in parity_passed and k not in self.findings}
         if not calib:
             return {"covered": False, "why": "no parity-passing file with 8 or more predictable positions to calibrate on"}
-        lowest = min(calib.values())
+        median = sorted(calib.values())[len(calib) // 2]
+        # the lowest clean rate, leaving out a calibration file far below the others (an odd but correct answer
+        # must not lower the threshold for every file, nor switch the check off)
+        lowest = min(v for v in calib.values() if v >= median / 2)
         out = {"top_k": TOP_K, "positions_per_file": self.head_positions,
                "calibration_files": len(calib), "clean_rate_min": round(lowest, 4),
-               "clean_rate_mean": round(sum(calib.values()) / len(calib), 4)}
-        if lowest < MIN_INFORMATIVE:
+               "clean_rate_median": round(median, 4)}
+        if median < MIN_INFORMATIVE:
             return {"covered": False, "why": f"the target's head predicts clean data too rarely to judge by "
-                                             f"(lowest clean top-{TOP_K} rate {lowest:.2f} < {MIN_INFORMATIVE})", **out}
+                                             f"(median clean top-{TOP_K} rate {median:.2f} < {MIN_INFORMATIVE})", **out}
         threshold = self.head_fraction * lowest
         rates = {k: h / n for k, (h, n) in self._head_rates.items()}
         for name, rate in sorted(rates.items()):
@@ -236,9 +248,9 @@ def summary_files(hashes: dict) -> int:
 
 
 def _eligible_positions(n: int, mask: list[int] | None) -> list[int]:
-    """Positions t whose next token t+1 is an answer token (the loss mask), or every t when there are few."""
-    answer = [t for t in range(n - 1) if mask and mask[t + 1]] if mask else []
-    return answer if len(answer) >= 8 else list(range(n - 1))
+    """Positions t whose next token t+1 is an answer token (the loss mask), or every t when the data has no mask.
+    A file with fewer than 8 is not judged (prompt text is predicted far less often than answers)."""
+    return [t for t in range(n - 1) if mask[t + 1]] if mask is not None else list(range(n - 1))
 
 
 def norm_problems(log_ratios: list[float], layer_ids: list[int], tolerance: float) -> list[str]:

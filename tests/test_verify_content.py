@@ -90,7 +90,8 @@ def test_corruption_matrix_each_fault_named_with_its_check_then_redo_failed(data
     k = faults.index("other_sample")
     j = min(range(len(picked)), key=lambda i: sizes[picked[i]])
     picked[k], picked[j] = picked[j], picked[k]
-    donor = next(n for n in names if n not in picked and sizes[n] >= sizes[picked[k]])
+    # strictly longer: an equal-length donor would hold the same states as the faulty file (a duplicate, flagged too)
+    donor = next(n for n in names if n not in picked and sizes[n] > sizes[picked[k]])
     model = load_model(cfg.model_path)
     for fault, name in zip(faults, picked):
         inject(fault, src / name, src / donor, model)
@@ -126,6 +127,28 @@ def test_redo_failed_without_a_failed_verify_is_a_clear_error(data_run, runs_dir
     cfg = clone_run(data_run, "noredo", runs_dir)
     with pytest.raises(StepError, match=r"verify/failed.json does not exist"):
         forget_failed(cfg)
+    # a listed file that is not the one verify judged (no hash: missing or changed then; another hash: rewritten
+    # since) is kept
+    a, b = "train/hs_0.safetensors", "train/hs_1.safetensors"
+    (cfg.step_dir("verify") / FAILED).write_text(json.dumps({"files": {
+        a: {"sha256": None, "problems": []}, b: {"sha256": "0" * 64, "problems": []}}}))
+    assert forget_failed(cfg) == 0
+    assert (cfg.step_dir("extract") / a).exists() and (cfg.step_dir("extract") / b).exists()
+    # outside the extract folder: refused
+    (cfg.step_dir("verify") / FAILED).write_text(json.dumps({"files": {"train/../../x": {"sha256": None}}}))
+    with pytest.raises(StepError, match="not an extracted file"):
+        forget_failed(cfg)
+
+
+def test_redo_failed_refuses_force(data_run):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "extract", "--config", data_run.source_path,
+                           "--redo-failed", "--force"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "without --shard or --force" in proc.stderr
 
 
 def test_right_states_for_tokens_the_target_would_not_produce_are_a_warning(data_run, runs_dir):
@@ -161,5 +184,7 @@ def test_right_states_for_tokens_the_target_would_not_produce_are_a_warning(data
     hs = hidden_states(load_model(cfg.model_path), ids, LAYER_IDS)
     save_file({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(ids, dtype=torch.long)},
               str(cfg.step_dir("extract") / name))
-    head = run(cfg, "verify", force=True)["summary"]["checks"]["head"]
-    assert head["flagged_then_parity_passed"] == [name]
+    summary = run(cfg, "verify", force=True)["summary"]
+    head = summary["checks"]["head"]
+    assert head["flagged_then_parity_passed"] == [name] and head["flagged_files_given_full_parity"] == 1
+    assert summary["parity_files"] == cfg.verify.parity_samples  # the escalation is counted apart from the sample

@@ -30,11 +30,14 @@ def decoder_base(model):
 
 
 def final_norm_and_head(model):
-    """(final norm, output embedding) of the target: what turns vLLM id N (the final pre-norm state) into logits."""
+    """(final norm, output embedding) of the target: what turns vLLM id N (the final pre-norm state) into logits;
+    (None, None) when either is not found under the usual names."""
     head = model.get_output_embeddings()
     if head is None and hasattr(model, "language_model"):
         head = model.language_model.get_output_embeddings()
-    return decoder_base(model).norm, head
+    base = decoder_base(model)
+    norm = next((getattr(base, n) for n in ("norm", "final_layernorm", "ln_f") if hasattr(base, n)), None)
+    return (norm, head) if norm is not None and head is not None else (None, None)
 
 
 @torch.no_grad()
