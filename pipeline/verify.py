@@ -44,7 +44,7 @@ def run(cfg: Config, out: Path) -> dict:
     from tqdm import tqdm
 
     from .engines.hf_reference import hidden_states, load_model
-    from .verify_content import ContentChecks, norm_problems
+    from .verify_content import ContentChecks, compare_states, norm_problems
 
     src = cfg.step_dir("extract")
     extract_manifest = require_manifest(cfg, "extract")
@@ -52,8 +52,7 @@ def run(cfg: Config, out: Path) -> dict:
     layer_ids, hidden = meta["layer_ids"], meta["hidden_size"]
     samples = load_prepared(cfg)  # name -> (ids, loss mask)
     names = list(samples)
-    expected = [(n.split("/")[0], int(n.split("_")[1].split(".")[0])) for n in names]
-    general = [p for p in coverage_problems(src, expected) if not p.endswith(": missing")]  # missing: per file
+    general = [p for p in coverage_problems(src, split_indices(names)) if not p.endswith(": missing")]  # missing: per file
     sample = set(parity_sample(cfg, names))
 
     model = load_model(cfg.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
@@ -81,9 +80,7 @@ def run(cfg: Config, out: Path) -> dict:
         ids = samples[name][0]
         with safe_open(str(src / name), "pt") as f:
             got = f.get_tensor("hidden_states").float()
-        ref = hidden_states(model, ids, layer_ids).float()
-        cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)  # [T, L]
-        ratio = (got.norm(dim=-1).clamp_min(1e-12) / ref.norm(dim=-1).clamp_min(1e-12)).log().mean(0)  # [L]
+        cos, ratio = compare_states(got, hidden_states(model, ids, layer_ids).float())  # [T, L], [L]
         row = {"file": name, "tokens": len(ids)}
         bad = []
         for j, lid in enumerate(layer_ids):
@@ -216,23 +213,23 @@ def load_prepared(cfg: Config) -> dict[str, tuple[list[int], list[int] | None]]:
     return out
 
 
+def split_indices(names: list[str]) -> list[tuple[str, int]]:
+    """("train", 3) for "train/hs_3.safetensors": the (split, index) of each of load_prepared's names."""
+    return [(n.split("/")[0], int(n.split("_")[1].split(".")[0])) for n in names]
+
+
 def structural_problems(cfg: Config) -> tuple[list[str], list[tuple[Path, list[int]]], set[Path]]:
-    """Coverage (every sample exactly once) and per-file checks; (problems, (file, ids) list, broken files)."""
-    from datasets import load_from_disk
+    """Coverage (every sample exactly once) and per-file checks without a model; (problems, (file, ids) list,
+    broken files). The structural half of `run`, on its own."""
     from tqdm import tqdm
 
     src = cfg.step_dir("extract")
     meta = json.loads((src / META).read_text())
     layer_ids, hidden = meta["layer_ids"], meta["hidden_size"]
-    files: list[tuple[Path, list[int]]] = []
-    expected = []
-    for split in SPLITS:
-        ds = load_from_disk(str(cfg.step_dir("prepare") / split))
-        for i, ids in enumerate(ds["input_ids"]):
-            files.append((src / split / file_name(i), list(map(int, ids))))
-            expected.append((split, i))
+    samples = load_prepared(cfg)
+    files = [(src / name, ids) for name, (ids, _) in samples.items()]
     # "missing" is reported by the per-file check below
-    problems = [p for p in coverage_problems(src, expected) if not p.endswith(": missing")]
+    problems = [p for p in coverage_problems(src, split_indices(list(samples))) if not p.endswith(": missing")]
     broken = set()
     for path, ids in tqdm(files, desc="verify files", unit="file"):
         found = check_file(path, ids, len(layer_ids), hidden, cfg.model.dtype)

@@ -158,8 +158,8 @@ class ContentChecks:
         for name, ids, got in batch:
             r = self._prefix_refs[tuple(ids)]
             got = got.float()
-            cos = torch.nn.functional.cosine_similarity(got, r, dim=-1).mean(0)  # [L]
-            ratio = (got.norm(dim=-1).clamp_min(1e-12) / r.norm(dim=-1).clamp_min(1e-12)).log().mean(0)  # [L]
+            cos, ratio = compare_states(got, r)
+            cos = cos.mean(0)  # [L]
             self._prefix_stats.append({"file": name, "cos": cos.tolist(), "log_ratio": ratio.tolist(), "tokens": p})
             for j, lid in enumerate(self.layer_ids):
                 c = float(cos[j])
@@ -268,3 +268,10 @@ def norm_problems(log_ratios: list[float], layer_ids: list[int], tolerance: floa
             f"±{LAYER_NORM_FACTOR * tolerance:.0%} for one layer): rescaled values"
             for lid, r in zip(layer_ids, log_ratios) if abs(r) > LAYER_NORM_FACTOR * tolerance]
     return out
+
+
+def compare_states(got: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extracted vs reference states [T, L, H]: per-token cosine [T, L] and the mean log norm ratio per layer [L]."""
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    ratio = (got.norm(dim=-1).clamp_min(1e-12) / ref.norm(dim=-1).clamp_min(1e-12)).log().mean(0)
+    return cos, ratio
