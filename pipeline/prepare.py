@@ -272,16 +272,22 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
     users = {c["id"]: [m for m in c["messages"] if m["role"] == "user"] for c in selected}
     rounds = 1 if cfg.data.regenerate == "first_turn" else max(len(u) for u in users.values())
     for r in range(rounds):
-        ids, prompts = [], []
+        ids, prompts, ended = [], [], []
         for cid in pending:
             if r >= len(users[cid]):
+                ended.append(cid)
                 continue
             prompt = prompt_ids(tok, history[cid] + [users[cid][r]])
             if len(prompt) > budget:
+                # the conversation ends here: a later user turn without this one would answer a question
+                # asked in a context that never happened
                 stats["turns_dropped_prompt_too_long"] += 1
+                ended.append(cid)
                 continue
             ids.append(cid)
             prompts.append(prompt)
+        for cid in ended:
+            del pending[cid]
         if not prompts:
             break
         keys = [RegenCache.key(r, p) for p in prompts]

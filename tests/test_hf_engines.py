@@ -422,3 +422,60 @@ def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
         s = steps.run(second, "prepare")["summary"]
     assert s["reused_from_interrupted_run"] == s["regenerated_turns"] > 0
     assert (second.step_dir("prepare") / "conversations.jsonl").read_text() == earlier.read_text()
+
+
+def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs_dir, work):
+    """data.regenerate = "all_turns": each answer is generated with the target's earlier answers in context; a
+    conversation ends at its first turn whose prompt is too long (a later short question must not be answered
+    in a context where the long one was never asked); an all-turn run seeds a fresh one exactly (the H200 plan:
+    regenerate once, carry the conversations back, train in a later session)."""
+    from pipeline import steps
+    from pipeline.config import load_config
+    from pipeline.engines import hf_engine
+    from tests.conftest import SMALL, write_config
+
+    topics = ["rivers", "bread", "chess", "volcanoes", "tides"]
+    convs = [{"id": f"mt-{i}", "messages": [
+        {"role": "user", "content": f"Tell me one fact about {t}."}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": f"Why does that matter for {t}?"}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "Say it in five words."}, {"role": "assistant", "content": "x"}]}
+        for i, t in enumerate(topics)]
+    long_turn = "Please read this carefully. " + "the quick brown fox jumps over the lazy dog " * 160
+    convs.append({"id": "mt-long", "messages": [
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": long_turn}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "And another one?"}, {"role": "assistant", "content": "x"}]})
+    src = work / "multi-turn.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    data = {**SMALL["data"], "engine": "hf", "max_conversations": 0, "max_new_tokens": 8, "batch_size": 4,
+            "regenerate": "all_turns", "path": str(src), "eval_fraction": 0.2}
+    first = load_config(write_config(runs_dir / "allturns-a.toml", runs_dir, "allturns-a", **{**SMALL, "data": data}))
+    for s in ("model", "prepare"):
+        with _one_thread():
+            summary = steps.run(first, s)["summary"]
+    assert summary["turns_dropped_prompt_too_long"] == 1
+    assert summary["regenerated_turns"] == 3 * len(topics) + 1
+    earlier = first.step_dir("prepare") / "conversations.jsonl"
+    users_of = {c["id"]: [m["content"] for m in c["messages"] if m["role"] == "user"] for c in convs}
+    for line in earlier.read_text().splitlines():
+        c = json.loads(line)
+        users = [m["content"] for m in c["messages"] if m["role"] == "user"]
+        answers = [m["content"] for m in c["messages"] if m["role"] == "assistant"]
+        assert users == users_of[c["id"]][: len(users)], f"{c['id']}: a user turn was skipped"
+        assert len(answers) == len(users) and "x" not in answers  # every answer is the target's
+        assert len(users) == (1 if c["id"] == "mt-long" else 3)
+
+    path = write_config(runs_dir / "allturns-b.toml", runs_dir, "allturns-b", **{**SMALL, "data": data})
+    second = load_config(path)
+    steps.run(second, "model")
+    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--config", str(path),
+                    str(earlier)], check=True, cwd=REPO)
+
+    def must_not_generate(*a, **kw):
+        raise AssertionError("a seeded answer was generated again")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_engine, "generate_batch", must_not_generate)
+        s = steps.run(second, "prepare")["summary"]
+    assert s["reused_from_interrupted_run"] == s["regenerated_turns"] == summary["regenerated_turns"]
+    assert (second.step_dir("prepare") / "conversations.jsonl").read_text() == earlier.read_text()

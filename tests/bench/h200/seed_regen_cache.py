@@ -2,7 +2,8 @@
 
     python tests/bench/h200/seed_regen_cache.py --config C [--set k=v ...] CONVERSATIONS.jsonl[.gz]
 
-CONVERSATIONS is an earlier run's `prepare/conversations.jsonl` (first-turn regeneration, same target, greedy).
+CONVERSATIONS is an earlier run's `prepare/conversations.jsonl` (same target, greedy; first-turn or all-turn
+regeneration, as data.regenerate says: all turns are seeded round by round, each with the earlier answers in context).
 Run it after the `model` step: it writes prepare's resume cache (`regenerated.partial.jsonl`) and the folder's
 fingerprint, so the next `prepare` treats those answers as finished work of an interrupted run. Answers are keyed
 by the exact prompt token ids (a prompt that differs in any token is regenerated), and prepare's manifest counts
@@ -35,7 +36,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("conversations", type=Path)
     args = ap.parse_args(argv)
     cfg = load_config(args.config, parse_set(args.set))
-    assert cfg.data.regenerate == "first_turn", "the earlier answers are first-turn answers"
+    assert cfg.data.regenerate in ("first_turn", "all_turns"), "data.regenerate is off: nothing to seed"
     tok = load_tokenizer(cfg)
     out = cfg.step_dir("prepare")
     out.mkdir(parents=True, exist_ok=True)
@@ -44,12 +45,18 @@ def main(argv: list[str]) -> int:
     with opener(args.conversations, "rt") as f:
         for line in f:
             msgs = json.loads(line)["messages"]
-            system = [m for m in msgs if m["role"] == "system"]
-            first_user = next(m for m in msgs if m["role"] == "user")
-            answer = next(m for m in msgs if m["role"] == "assistant")["content"]
-            ids = tok.encode(answer, add_special_tokens=False)
-            keys.append(RegenCache.key(0, prompt_ids(tok, system + [first_user])))
-            gens.append(Generation(answer, ids, "length" if len(ids) >= cfg.data.max_new_tokens else "stop"))
+            # round r's prompt is the system turns, the earlier user turns with the target's answers, and user
+            # turn r: the exact context prepare builds (its answers are the text kept here)
+            history = [m for m in msgs if m["role"] == "system"]
+            turns = [m for m in msgs if m["role"] in ("user", "assistant")]
+            for r, (user, answer) in enumerate(zip(turns[0::2], turns[1::2])):
+                if r and cfg.data.regenerate == "first_turn":
+                    break
+                ids = tok.encode(answer["content"], add_special_tokens=False)
+                keys.append(RegenCache.key(r, prompt_ids(tok, history + [user])))
+                gens.append(Generation(answer["content"], ids,
+                                       "length" if len(ids) >= cfg.data.max_new_tokens else "stop"))
+                history += [user, answer]
     (out / REGEN_CACHE).unlink(missing_ok=True)
     cache = RegenCache(out / REGEN_CACHE)
     cache.add(keys, gens)
