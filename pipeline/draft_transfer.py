@@ -8,6 +8,11 @@ limited in size: only what cannot be rebuilt from the target travels.
 
   python -m pipeline.draft_transfer slim CKPT_DIR OUT_DIR [--max-mb 15]
   python -m pipeline.draft_transfer restore SLIM_DIR TARGET_MODEL_DIR OUT_CKPT_DIR
+  python -m pipeline.draft_transfer ship CKPT_OR_SLIM_DIR OUT_DIR
+
+`ship` writes the form a drafter is kept and served in: config.json + one model.safetensors without the
+embedding. vLLM (0.32's Eagle3LlamaForCausalLM.load_weights) and the transformers evaluator both take the
+target's embedding when a draft has none, so this form needs no restore step to be served.
 """
 from __future__ import annotations
 
@@ -92,6 +97,30 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
     return out
 
 
+def ship(src: Path, out: Path) -> Path:
+    """A full checkpoint (model.safetensors) or a slim folder (slim.json) -> OUT/config.json + model.safetensors
+    without the embedding, split tensors joined again."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if (src / "slim.json").exists():
+        meta = json.loads((src / "slim.json").read_text())
+        weights = {}
+        for name in meta["files"]:
+            weights.update(load_file(str(src / name)))
+        for name, n in meta.get("split", {}).items():
+            weights[name] = torch.cat([weights.pop(f"{name}.part{i}") for i in range(n)], dim=0)
+    else:
+        weights = load_file(str(src / "model.safetensors"))
+        weights.pop(_embed_key(weights))
+    if any(k.endswith(EMBED) for k in weights):
+        raise ValueError(f"{src}: still holds an embedding after removing it")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    return out
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
     if cmd == "slim":
@@ -99,5 +128,7 @@ if __name__ == "__main__":
         print(slim(Path(args[0]), Path(args[1]), mb))
     elif cmd == "restore":
         print(restore(Path(args[0]), Path(args[1]), Path(args[2])))
+    elif cmd == "ship":
+        print(ship(Path(args[0]), Path(args[1])))
     else:
         sys.exit(__doc__)

@@ -44,6 +44,7 @@ def build(cfg: Config) -> str:
         f"untrained floor AL {get('eval', 'untrained_acceptance_length')}; outputs identical to greedy target: "
         f"{get('eval', 'outputs_identical_to_baseline')}; tokens/s {get('eval', 'tokens_per_s_baseline')} without vs "
         f"{get('eval', 'tokens_per_s_speculative')} with the drafter.",
+        *speed_lines(get("eval", "tokens_per_s_baseline", None), get("eval", "tokens_per_s_speculative", None)),
         "",
         "## Steps",
         "",
@@ -92,3 +93,15 @@ def verify_lines(checks: dict) -> list[str]:
     else:
         lines.append(f"  - target head check not covered: {head.get('why')}")
     return lines
+
+
+def speed_lines(baseline, speculative) -> list[str]:
+    """Why a drafter with AL > 1 can still make decoding slower (issue 15): said where it happened."""
+    if not baseline or not speculative or speculative >= baseline:
+        return []
+    return [f"- Slower with the drafter ({speculative / baseline:.2f}x): the evaluator submits all prompts at once, and "
+            "at that batch the target is compute-bound (a small target on CPU is), so verifying K+1 tokens per sequence costs about "
+            "K+1 decode steps while a draft saves at most AL of them; the draft itself costs 5-11 % of a decode step. "
+            "`tests/bench/spec_cost.py` measures both per batch size and predicts the speed-up (NOTES.md, \"Why the "
+            "draft makes decoding slower on 2 CPU cores\"); at batch 1, or on a GPU at small batch, the same AL gives "
+            "a speed-up."]

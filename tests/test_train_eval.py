@@ -93,6 +93,8 @@ def test_eval_measures_acceptance_and_exactness(trained_run):
     report = (trained_run.step_dir("report") / "report.md").read_text()
     assert f"AL {t['acceptance_length']}" in report
     assert "prefix parity over the first 16 tokens" in report and "target head on the final state" in report
+    slower = t["tokens_per_s"] < r["baseline_tokens_per_s"]
+    assert ("Slower with the drafter" in report) == slower  # the report says why, where it happened
 
 
 def test_training_resumes_after_a_kill(trained_run, runs_dir):
@@ -161,3 +163,34 @@ def test_vllm_greedy_equals_transformers_greedy(trained_run, smollm2):
     for prompt, got in list(zip(req["prompts"], res["outputs"]))[:3]:
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=req["max_tokens"], do_sample=False)
         assert ref[0, len(prompt):].tolist() == got
+
+
+def test_a_drafter_shipped_without_its_embedding_serves_as_the_checkpoint(trained_run, runs_dir):
+    """`draft_transfer ship` (the form a drafter is kept in the repository): no embedding, one weights file; vLLM
+    takes the target's embedding and serves it with the same outputs and the same acceptance counters as the full
+    checkpoint; shipping from the slim transfer form gives the same file contents."""
+    from safetensors.torch import load_file
+
+    from pipeline.draft_transfer import ship, slim
+
+    ckpt = trained_run.step_dir("train") / "checkpoint"
+    shipped = ship(ckpt, runs_dir / "shipped")
+    full, mine = load_file(str(ckpt / "model.safetensors")), load_file(str(shipped / "model.safetensors"))
+    assert [k for k in full if k not in mine] == ["embed_tokens.weight"]
+    assert all(torch.equal(full[k], mine[k]) for k in mine)
+    slim(ckpt, runs_dir / "shipped-slim", max_mb=0.5)  # forces split tensors
+    again = load_file(str(ship(runs_dir / "shipped-slim", runs_dir / "shipped-2") / "model.safetensors"))
+    assert again.keys() == mine.keys() and all(torch.equal(again[k], mine[k]) for k in mine)
+
+    out = trained_run.step_dir("eval")
+    req = json.loads((out / "trained.request.json").read_text())
+    req["speculative_config"]["model"] = str(shipped)
+    req_path, res_path = runs_dir / "shipped.request.json", runs_dir / "shipped.result.json"
+    req_path.write_text(json.dumps(req))
+    res_path.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.engines.vllm_eval", str(req_path), str(res_path)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res, ref = json.loads(res_path.read_text()), json.loads((out / "trained.result.json").read_text())
+    assert res["outputs"] == ref["outputs"]
+    assert res["spec_decode"] == ref["spec_decode"]
