@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
               f"{r['draft_step_s'] * 1e3:.1f} | {r['verify_over_decode']:.2f} | {r['draft_over_decode']:.2f} | "
               f"{r['predicted_speedup']:.2f} |")
     if measured:
-        print(f"measured (vLLM, {measured['drafter']}): baseline {measured['baseline_tokens_per_s']} tokens/s, "
+        print(f"measured by the evaluator ({measured['drafter']}): baseline {measured['baseline_tokens_per_s']} tokens/s, "
               f"speculative {measured['spec_tokens_per_s']} tokens/s, speed-up {measured['speedup']}")
     if args.out:
         args.out.write_text(json.dumps({"device": where, "dtype": args.dtype, "acceptance_length": al,

@@ -23,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../../.."
 PHASE=$1
 BUDGET=${BUDGET:-560}          # seconds this phase may use (the device command limit is 600)
-CONFIG=configs/smollm2-quality-h200.toml
+CONFIG=${CONFIG:-configs/smollm2-quality-h200.toml}   # another config only for a dry run of a phase on CPU
 OUT=${OUT:-.cache/h200-out}    # the device tool's outbound folder (emptied before every call)
 LOGS=.cache/h200-logs          # kept on the machine between back-to-back calls
 MAIN=smollm2-quality-h200
@@ -32,7 +32,7 @@ T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 mkdir -p "$OUT" "$LOGS" data/packages
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
+if [ -d .whl ] && command -v nvidia-smi > /dev/null; then   # the device machine lacks these packages
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD
@@ -173,7 +173,7 @@ case $PHASE in
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
   s8-chain)
     S8=(--set run.name=s8-allturns --set data.regenerate=\"all_turns\")
-    AT="data.path=data/packages/sharegpt-user-turns.jsonl.gz"
+    AT="data.path=${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}"
     SEND=.cache/h200-send
     run8() { local s=$1; shift; echo "[s8] $s start $(date +%s)"
              python3 -m pipeline "$s" --config $CONFIG --set "$AT" "${S8[@]}" "$@" 2>&1 \
