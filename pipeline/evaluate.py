@@ -113,6 +113,7 @@ def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
         "trust_remote_code": cfg.model.trust_remote_code,
         # [engine]: parallelism and memory for vLLM (the hf engine ignores them)
         "engine": cfg.engine.llm_kwargs(), "enforce_eager": cfg.engine.enforce_eager,
+        "batch_size": cfg.eval.hf_batch_size,  # the hf engine's batch (vLLM's own scheduler ignores it)
     }
     runs = {"baseline": run_engine("baseline", base_req, out, cfg.eval.engine)}
     for name, ckpt in drafts.items():

@@ -492,7 +492,7 @@ def decode_batch(target, prompts: list[list[int]], *, max_tokens: int, max_model
     dcache = DraftBatchCache(draft.num_layers, n_rows, dev) if draft is not None else None
     ids, valid = _left_pad(prompts, dev)
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding at position 0, masked anyway
-    greedy, aux = tgt.step(ids, positions, torch.ones_like(valid))  # prefill
+    greedy, aux = tgt.step(ids, positions, valid)  # prefill
     last = greedy[:, -1]
     done = [limits[i] <= 0 or commit(i, [int(last[r])]) for r, i in enumerate(rows)]
     # the draft's first feed: tokens 1..L (the last one just sampled) with the target's aux states at

@@ -208,16 +208,19 @@ case $PHASE in
       > "$LOGS/s8-train-variant.log" 2>&1 & p2=$!
     wait $p1 $p2
     grep -h "^\[s8\]" "$LOGS"/s8-train-*.log
-    # Speed on this GPU (issue 15, item 3): the transformers evaluator (one prompt at a time = batch 1), tokens/s
-    # with and without the recipe's draft; then the cost model's parts at batch 1 and 16.
+    # Speed on this GPU (issue 15, item 3): the transformers evaluator at batch 1 and at batch 16 (16 MT-bench
+    # prompts), tokens/s with and without the recipe's draft; then the cost model's parts at batch 1 and 16.
     ck=$(last_ckpt s8-allturns)
     [ -n "$ck" ] || exit 1
     mkdir -p $SEND/speed
     python3 -m pipeline.evaluate --config $CONFIG --set "$AT" "${S8[@]}" --set eval.engine=hf --set eval.max_prompts=16 \
       --out runs/s8-allturns/eval-speed "s8-l2=$ck" > "$LOGS/s8-speed.log" 2>&1
+    python3 -m pipeline.evaluate --config $CONFIG --set "$AT" "${S8[@]}" --set eval.engine=hf --set eval.max_prompts=16 \
+      --set eval.hf_batch_size=16 --out runs/s8-allturns/eval-speed-b16 "s8-l2=$ck" >> "$LOGS/s8-speed.log" 2>&1
     python3 tests/bench/spec_cost.py --draft "$ck" --batches 1,16 --eval runs/s8-allturns/eval-speed/eval.json \
       --out $SEND/speed/spec_cost.json >> "$LOGS/s8-speed.log" 2>&1
     cp runs/s8-allturns/eval-speed/eval.json $SEND/speed/eval-speed.json 2>/dev/null
+    cp runs/s8-allturns/eval-speed-b16/eval.json $SEND/speed/eval-speed-b16.json 2>/dev/null
     grep -v "Loading weights" "$LOGS/s8-speed.log" | tail -12
     echo "[s8] chain done $(date +%s)" ;;
   s8-wait)
@@ -247,7 +250,7 @@ case $PHASE in
         send_draft s8-allturns "$(last_ckpt s8-allturns)" late; fi
     fi
     tar czf "$OUT/s8-results.tgz" runs/s8-allturns*/*/manifest.json runs/s8-allturns*/train/metrics.jsonl \
-      runs/s8-allturns*/vocab/vocab.json runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed/*.json \
+      runs/s8-allturns*/vocab/vocab.json runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
       .cache/h200-send/speed "$LOGS" 2>/dev/null
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; ls -la "$OUT" ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
