@@ -72,9 +72,10 @@ def slim(ckpt: Path, out: Path, max_mb: float = 15.0) -> list[Path]:
     return files
 
 
-def restore(slim_dir: Path, target: Path, out: Path) -> Path:
+def _read_slim(slim_dir: Path) -> tuple[dict, dict]:
+    """A slim folder's slim.json and its weights, split tensors joined again (the embedding still missing)."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     meta = json.loads((slim_dir / "slim.json").read_text())
     weights = {}
@@ -82,6 +83,14 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
         weights.update(load_file(str(slim_dir / name)))
     for name, n in meta.get("split", {}).items():
         weights[name] = torch.cat([weights.pop(f"{name}.part{i}") for i in range(n)], dim=0)
+    return meta, weights
+
+
+def restore(slim_dir: Path, target: Path, out: Path) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    meta, weights = _read_slim(slim_dir)
     target_weights = {}
     for f in sorted(target.glob("*.safetensors")):
         target_weights.update(load_file(str(f)))
@@ -100,16 +109,10 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
 def ship(src: Path, out: Path) -> Path:
     """A full checkpoint (model.safetensors) or a slim folder (slim.json) -> OUT/config.json + model.safetensors
     without the embedding, split tensors joined again."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     if (src / "slim.json").exists():
-        meta = json.loads((src / "slim.json").read_text())
-        weights = {}
-        for name in meta["files"]:
-            weights.update(load_file(str(src / name)))
-        for name, n in meta.get("split", {}).items():
-            weights[name] = torch.cat([weights.pop(f"{name}.part{i}") for i in range(n)], dim=0)
+        weights = _read_slim(src)[1]
     else:
         weights = load_file(str(src / "model.safetensors"))
         weights.pop(_embed_key(weights))

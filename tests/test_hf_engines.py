@@ -398,7 +398,6 @@ def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
     in any token would not match (the cache is keyed by prompt token ids)."""
     from pipeline import steps
     from pipeline.config import load_config
-    from pipeline.engines import hf_engine
     from tests.conftest import SMALL, write_config
 
     data = {**SMALL["data"], "engine": "hf", "max_conversations": 6, "max_new_tokens": 8, "batch_size": 3}
@@ -408,7 +407,19 @@ def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
             steps.run(first, s)
     earlier = first.step_dir("prepare") / "conversations.jsonl"
 
-    path = write_config(runs_dir / "seed-b.toml", runs_dir, "seed-b", **{**SMALL, "data": data})
+    s = _seeded_prepare(runs_dir, "seed-b", data, earlier)
+    assert s["reused_from_interrupted_run"] == s["regenerated_turns"] > 0
+
+
+def _seeded_prepare(runs_dir, name: str, data: dict, earlier) -> dict:
+    """A fresh run seeded (tests/bench/h200/seed_regen_cache.py) with an earlier run's conversations: its prepare
+    must generate nothing and end with the same conversations. -> prepare's summary."""
+    from pipeline import steps
+    from pipeline.config import load_config
+    from pipeline.engines import hf_engine
+    from tests.conftest import SMALL, write_config
+
+    path = write_config(runs_dir / f"{name}.toml", runs_dir, name, **{**SMALL, "data": data})
     second = load_config(path)
     steps.run(second, "model")
     subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--config", str(path),
@@ -420,8 +431,8 @@ def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_engine, "generate_batch", must_not_generate)
         s = steps.run(second, "prepare")["summary"]
-    assert s["reused_from_interrupted_run"] == s["regenerated_turns"] > 0
     assert (second.step_dir("prepare") / "conversations.jsonl").read_text() == earlier.read_text()
+    return s
 
 
 def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs_dir, work):
@@ -431,7 +442,6 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
     regenerate once, carry the conversations back, train in a later session)."""
     from pipeline import steps
     from pipeline.config import load_config
-    from pipeline.engines import hf_engine
     from tests.conftest import SMALL, write_config
 
     topics = ["rivers", "bread", "chess", "volcanoes", "tides"]
@@ -465,17 +475,5 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
         assert len(answers) == len(users) and "x" not in answers  # every answer is the target's
         assert len(users) == (1 if c["id"] == "mt-long" else 3)
 
-    path = write_config(runs_dir / "allturns-b.toml", runs_dir, "allturns-b", **{**SMALL, "data": data})
-    second = load_config(path)
-    steps.run(second, "model")
-    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--config", str(path),
-                    str(earlier)], check=True, cwd=REPO)
-
-    def must_not_generate(*a, **kw):
-        raise AssertionError("a seeded answer was generated again")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_engine, "generate_batch", must_not_generate)
-        s = steps.run(second, "prepare")["summary"]
+    s = _seeded_prepare(runs_dir, "allturns-b", data, earlier)
     assert s["reused_from_interrupted_run"] == s["regenerated_turns"] == summary["regenerated_turns"]
-    assert (second.step_dir("prepare") / "conversations.jsonl").read_text() == earlier.read_text()
