@@ -104,6 +104,7 @@ def run(cfg: Config, out: Path) -> dict:
     untrained = out / "untrained"
     if not (untrained / "model.safetensors").exists():
         _speculators(out, [*_replace(args, "--save-path", str(untrained)), "--dry-run"], "untrained", out / "untrained.jsonl")
+    set_aside_incomplete_checkpoints(out / "checkpoints")
     _speculators(out, args, "train", out / "metrics.jsonl", cfg=cfg)
 
     final = last_epoch(out / "checkpoints")
@@ -126,6 +127,46 @@ def run(cfg: Config, out: Path) -> dict:
         "train_tokens_per_s": _throughput(rows),
     }
     return {"summary": summary}
+
+
+def checkpoint_complete(d: Path) -> bool:
+    """An epoch folder speculators can resume from: the config, the whole weights file (its safetensors header
+    and every tensor's bytes present) and a readable optimizer archive. A kill while speculators writes an
+    epoch leaves the folder without them, or with a file cut short."""
+    import zipfile
+
+    model, optim = d / "model.safetensors", d / "optimizer_state_dict.pt"
+    if not ((d / "config.json").is_file() and model.is_file() and optim.is_file() and zipfile.is_zipfile(optim)):
+        return False
+    try:
+        with open(model, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return model.stat().st_size >= 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def set_aside_incomplete_checkpoints(ckpts: Path) -> list[Path]:
+    """speculators resumes from the highest-numbered epoch folder, complete or not (a kill mid-save leaves one
+    without weights, and the rerun fails on it). Such a folder is renamed `incomplete-<epoch>-<n>` (speculators
+    skips names that are not numbers), so the rerun resumes from the last complete epoch and nothing is deleted."""
+    moved = []
+    if not ckpts.is_dir():
+        return moved
+    for d in sorted(p for p in ckpts.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()):
+        if checkpoint_complete(d):
+            continue
+        i = 0
+        while (ckpts / f"incomplete-{d.name}-{i}").exists():
+            i += 1
+        target = ckpts / f"incomplete-{d.name}-{i}"
+        d.rename(target)
+        moved.append(target)
+        print(f"[train] WARNING: epoch checkpoint {d} is incomplete (killed while being written?); set aside as "
+              f"{target.name}, resuming from the last complete epoch")
+    return moved
 
 
 def _replace(args: list[str], flag: str, value: str) -> list[str]:

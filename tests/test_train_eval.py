@@ -194,3 +194,43 @@ def test_a_drafter_shipped_without_its_embedding_serves_as_the_checkpoint(traine
     res, ref = json.loads(res_path.read_text()), json.loads((out / "trained.result.json").read_text())
     assert res["outputs"] == ref["outputs"]
     assert res["spec_decode"] == ref["spec_decode"]
+
+
+def test_an_epoch_checkpoint_cut_short_is_set_aside_not_resumed_from(work):
+    """A kill while speculators writes epoch N leaves checkpoints/N without (or with half) its files; speculators
+    would resume from it and fail (seen in CI: test_training_resumes_after_a_kill, killed during epoch 1's save).
+    The train step renames such folders before a rerun, keeping their files, and leaves complete ones alone."""
+    from safetensors.torch import save_file
+
+    from pipeline.train import checkpoint_complete, set_aside_incomplete_checkpoints
+
+    ckpts = work / "checkpoints"
+
+    def epoch(name: str, cut: int = 0, files=("config.json", "model.safetensors", "optimizer_state_dict.pt")):
+        d = ckpts / name
+        d.mkdir(parents=True)
+        if "config.json" in files:
+            (d / "config.json").write_text("{}")
+        if "model.safetensors" in files:
+            save_file({"w": torch.arange(64, dtype=torch.float32)}, str(d / "model.safetensors"))
+            if cut:
+                data = (d / "model.safetensors").read_bytes()
+                (d / "model.safetensors").write_bytes(data[:-cut])
+        if "optimizer_state_dict.pt" in files:
+            torch.save({"state": {}, "param_groups": []}, str(d / "optimizer_state_dict.pt"))
+        return d
+
+    epoch("0")
+    epoch("1", files=("config.json",))            # killed before the weights were written
+    epoch("2", cut=4)                              # killed while the weights were written
+    epoch("3", files=("config.json", "model.safetensors"))  # killed before the optimizer state
+    (ckpts / "epoch0_end").symlink_to("0")
+    assert checkpoint_complete(ckpts / "0") and not checkpoint_complete(ckpts / "2")
+    moved = set_aside_incomplete_checkpoints(ckpts)
+    assert [p.name for p in moved] == ["incomplete-1-0", "incomplete-2-0", "incomplete-3-0"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["0", "epoch0_end", "incomplete-1-0", "incomplete-2-0",
+                                                       "incomplete-3-0"]
+    assert (ckpts / "incomplete-2-0" / "model.safetensors").stat().st_size > 0  # set aside, not deleted
+    assert set_aside_incomplete_checkpoints(ckpts) == []
+    epoch("1", files=())
+    assert [p.name for p in set_aside_incomplete_checkpoints(ckpts)] == ["incomplete-1-1"]
