@@ -38,7 +38,12 @@ def check_header(path: Path, tokens: int, num_ids: int, hidden: int) -> str | No
         return f"hidden_states shape {hs['shape']} != expected {[tokens, num_ids, hidden]}"
     if ids["shape"] != [tokens]:
         return f"token_ids shape {ids['shape']} != expected {[tokens]}"
-    end = max(t["data_offsets"][1] for k, t in h.items() if k != "__metadata__")
+    return truncation(path, h)
+
+
+def truncation(path: Path, h: dict) -> str | None:
+    """Why a safetensors file with header h is cut short (its size is not what the header promises), or None."""
+    end = max((t["data_offsets"][1] for k, t in h.items() if k != "__metadata__"), default=0)
     n = int.from_bytes(open(path, "rb").read(8), "little")
     if path.stat().st_size != 8 + n + end:
         return f"truncated: {path.stat().st_size} bytes, header promises {8 + n + end}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .config import REPO_ROOT, Config
 from .extract import SPLITS, resolve_layer_ids
-from .hidden_states import META, file_name
+from .hidden_states import META, file_name, header, truncation
 from .manifest import StepError, require_manifest
 
 
@@ -139,11 +139,7 @@ def checkpoint_complete(d: Path) -> bool:
     if not ((d / "config.json").is_file() and model.is_file() and optim.is_file() and zipfile.is_zipfile(optim)):
         return False
     try:
-        with open(model, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        return model.stat().st_size >= 8 + n + end
+        return truncation(model, header(model)) is None
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -153,9 +149,7 @@ def set_aside_incomplete_checkpoints(ckpts: Path) -> list[Path]:
     without weights, and the rerun fails on it). Such a folder is renamed `incomplete-<epoch>-<n>` (speculators
     skips names that are not numbers), so the rerun resumes from the last complete epoch and nothing is deleted."""
     moved = []
-    if not ckpts.is_dir():
-        return moved
-    for d in sorted(p for p in ckpts.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()):
+    for _, d in epoch_dirs(ckpts):
         if checkpoint_complete(d):
             continue
         i = 0
@@ -209,8 +203,15 @@ def _torchrun_command(cfg: Config, cmd: list[str]) -> list[str]:
     return [*launch, "-m", *cmd[2:]]
 
 
+def epoch_dirs(ckpts: Path) -> list[tuple[int, Path]]:
+    """speculators' epoch folders (numbered, not its descriptive symlinks), in epoch order."""
+    if not ckpts.is_dir():
+        return []
+    return sorted((int(p.name), p) for p in ckpts.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit())
+
+
 def last_epoch(ckpts: Path) -> Path:
-    epochs = sorted((int(p.name), p) for p in ckpts.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()) if ckpts.exists() else []
+    epochs = epoch_dirs(ckpts)
     if not epochs:
         raise StepError(f"speculators wrote no checkpoint under {ckpts}")
     return epochs[-1][1]
