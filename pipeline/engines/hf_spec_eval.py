@@ -405,11 +405,7 @@ def decode(target, prompt: list[int], *, max_tokens: int, max_model_len: int, st
         a = 0
         while a < n_spec and proposal[a] == greedy[a]:
             a += 1
-        stats["drafts"] += 1
-        stats["draft_tokens"] += n_spec
-        stats["accepted_tokens"] += a
-        for i in range(a):
-            stats["accepted_per_pos"][i] += 1
+        _count(stats, n_spec, a)
         new = proposal[:a] + [greedy[a]]
         _crop(cache, s + a)  # keep positions 0..s-1+a: the last token and the accepted drafts
         finished = commit(new)
