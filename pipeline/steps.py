@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 from .config import Config
-from .manifest import StepError, run_step, step_fingerprint
+from .manifest import StepError, run_step, sha256_file, step_fingerprint
 
 # name: (module with run(cfg, out), config sections, upstream steps, keep partial outputs for resume)
 STEPS = {
@@ -23,17 +23,35 @@ STEPS = {
 SHARDABLE = ("extract",)
 
 
+DRAFT_FILES = ("config.json", "model.safetensors")
+
+
+def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
+    """(upstream steps, extra inputs): eval of a drafter made elsewhere (eval.draft) needs only the model step,
+    and the drafter's files stand in for the train step's outputs in its fingerprint."""
+    upstream = STEPS[step][2]
+    if step == "eval" and cfg.eval.draft:
+        from .evaluate import given_draft
+
+        d = given_draft(cfg)
+        return ("model",), {"draft": {f: sha256_file(d / f) for f in DRAFT_FILES}}
+    return upstream, {}
+
+
 def run(cfg: Config, step: str, force: bool = False, shard: tuple[int, int] | None = None) -> dict:
     if step not in STEPS:
         raise NotImplementedError(f"step '{step}' is not implemented yet")
     if shard is not None and step not in SHARDABLE:
         raise StepError(f"--shard applies to {', '.join(SHARDABLE)} only, not '{step}'")
-    module, sections, upstream, keep = STEPS[step]
+    module, sections, _, keep = STEPS[step]
+    upstream, extra = upstream_of(cfg, step)
     fn = importlib.import_module(f"pipeline.{module}").run
-    return run_step(cfg, step, fn, sections=sections, upstream=upstream, force=force, keep_partial=keep, shard=shard)
+    return run_step(cfg, step, fn, sections=sections, upstream=upstream, force=force, keep_partial=keep, shard=shard,
+                    extra_inputs=extra)
 
 
 def fingerprint(cfg: Config, step: str) -> str:
     """The fingerprint `run` gives the step's folder for this config and the upstream outputs now on disk."""
-    _, sections, upstream, _ = STEPS[step]
-    return step_fingerprint(cfg, step, sections, upstream)[1]
+    _, sections, _, _ = STEPS[step]
+    upstream, extra = upstream_of(cfg, step)
+    return step_fingerprint(cfg, step, sections, upstream, extra)[1]

@@ -1,0 +1,192 @@
+"""Ship a drafter: its serving form and a results file in one folder, replacing what is there only when the new
+drafter is better.
+
+    python -m pipeline.ship --config configs/smollm2-quality.toml --run RUN_DIR DRAFT [--out DIR] [--max-mb 25] [--force]
+
+DRAFT is a speculators checkpoint or a slim folder (`pipeline.draft_transfer slim`); RUN_DIR the run that trained
+it (its step manifests say how: data, vocabulary, training). The drafter is written in the form vLLM serves as
+it is (`draft_transfer ship`: no frozen embedding), then evaluated in that form by this repository's evaluator
+(the config's [eval]: vLLM counters, greedy) on MT-bench first turns and on the held-out first turns of the
+config's data, so the results file describes exactly the bytes beside it. The folder (default
+data/drafters/<target folder name, lower case>) is replaced only when the new MT-bench acceptance length is
+higher than the one in its results.json (--force replaces it anyway, e.g. after the eval protocol changed);
+otherwise the new drafter and its results stay in <out>.rejected/ and the command exits 3.
+
+results.json: recipe, data sources and counts, epochs, MT-bench and held-out acceptance (AL, per position,
+outputs identical to the greedy target), file sizes and hashes, the commit it was trained at and shipped from.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .config import REPO_ROOT, Config, load_config
+from .manifest import StepError, _rel, git_commit, read_manifest, sha256_file, write_json_atomic
+
+RESULTS = "results.json"
+SET_KEYS = ("acceptance_length", "acceptance_rate", "per_position_acceptance", "outputs_identical_to_baseline",
+            "all_outputs_identical", "tokens_per_s", "speedup")
+
+
+def default_out(cfg: Config) -> Path:
+    return REPO_ROOT / "data" / "drafters" / Path(cfg.model.path).name.lower()
+
+
+def recipe(run: Path) -> dict:
+    """How the drafter was made, from its run's step manifests."""
+    def manifest(step: str) -> dict:
+        m = read_manifest(run / step)
+        if not m:
+            raise StepError(f"{run / step}: no manifest.json; --run must be the run folder that trained the draft")
+        return m
+
+    prep, vocab, train = manifest("prepare"), manifest("vocab"), manifest("train")
+    ps, ts = prep["summary"], train["summary"]
+    data = prep["config_sections"]["data"]
+    return {
+        "config_file": train.get("config_file"),
+        "run": run.name,
+        "data": {
+            "sources": [{"name": ps.get("source") or data.get("path") or data["source"],
+                         "package": prep.get("stack", {}).get("SHAREGPT_PACKAGE"),
+                         "conversations": ps.get("selected"), "weight": 1.0}],
+            "regenerate": data.get("regenerate"), "max_new_tokens": data.get("max_new_tokens"),
+            "regenerated_answers": ps.get("regenerated_turns"), "train_samples": ps.get("train_samples"),
+            "eval_samples": ps.get("eval_samples"), "tokens": ps.get("tokens"),
+            "assistant_tokens": ps.get("assistant_tokens"), "mtbench_near_duplicates_removed":
+                ps.get("mtbench_near_duplicates_removed"),
+        },
+        "vocab": {k: vocab["summary"].get(k) for k in ("draft_vocab_size", "target_vocab_size", "coverage_train",
+                                                        "coverage_eval", "d2t_sha256")},
+        "train": {**train["config_sections"]["train"], "epochs": ts.get("epochs"),
+                  "eagle_aux_hidden_state_layer_ids": ts.get("eagle_aux_hidden_state_layer_ids"),
+                  "final_val": ts.get("final_val"), "tokens_per_s": ts.get("train_tokens_per_s"),
+                  "seconds": train.get("seconds"), "gpus": [g["name"] for g in (train.get("host") or {}).get("gpus", [])],
+                  "packages": train.get("packages"), "patch_series_sha256": train.get("patch_series_sha256"),
+                  "git": train.get("git")},
+    }
+
+
+def serving_form(draft: Path, out: Path, cfg: Config) -> None:
+    """draft_transfer's ship form; the verifier named by the repository-relative target path, not this machine's."""
+    from .draft_transfer import ship
+
+    ship(draft, out)
+    c = json.loads((out / "config.json").read_text())
+    c.setdefault("speculators_config", {}).setdefault("verifier", {})["name_or_path"] = cfg.model.path
+    (out / "config.json").write_text(json.dumps(c, indent=2) + "\n")
+
+
+def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
+    """MT-bench and held-out acceptance of the drafter in `folder`, by the config's evaluator."""
+    from .evaluate import evaluate_drafts
+
+    results = {}
+    for prompts in ("mtbench", "heldout"):
+        c = copy.deepcopy(cfg)
+        c.eval.prompts = prompts
+        (work / f"eval-{prompts}").mkdir(parents=True, exist_ok=True)
+        r = evaluate_drafts(c, {"drafter": folder}, work / f"eval-{prompts}")
+        m = r["drafters"]["drafter"]
+        results[prompts] = {"prompts": r["prompts"], "engine": r["engine"], "max_tokens": r["max_tokens"],
+                            "num_speculative_tokens": r["num_speculative_tokens"], "dtype": r["dtype"],
+                            "baseline_tokens_per_s": r["baseline_tokens_per_s"], **{k: m[k] for k in SET_KEYS}}
+    return results
+
+
+def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float = 25.0, force: bool = False) -> int:
+    if not (cfg.model_path / "config.json").exists():
+        raise StepError(f"the target {cfg.model_path} is missing; run `make model CONFIG={_rel(cfg.source_path)}` first")
+    made = recipe(run)
+    staged = out.with_name(out.name + ".new")
+    shutil.rmtree(staged, ignore_errors=True)
+    serving_form(draft, staged, cfg)
+    size = (staged / "model.safetensors").stat().st_size
+    if size > max_mb * 1e6:
+        shutil.rmtree(staged)
+        raise StepError(f"{draft}: {size / 1e6:.1f} MB in serving form, over the {max_mb:g}-MB limit for a shipped "
+                        f"drafter (a smaller vocab.draft_vocab_size shrinks its lm_head)")
+    work = REPO_ROOT / ".cache" / "ship" / out.name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    evals = evaluate(cfg, staged, work)
+    bad = [s for s, e in evals.items() if not e["all_outputs_identical"]]
+    if bad:
+        raise StepError(f"{draft}: speculative outputs differ from the greedy target on {bad} ({work}); not shipped")
+    results = {
+        "drafter": out.name, "shipped": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "target": {"path": cfg.model.path, "source": cfg.model.source},
+        "files": {f: {"bytes": (staged / f).stat().st_size, "sha256": sha256_file(staged / f)}
+                  for f in ("config.json", "model.safetensors")},
+        "recipe": made, "epochs": made["train"]["epochs"],
+        "eval": evals, "eval_config": _rel(cfg.source_path),
+        "shipped_from": git_commit(),
+        "reproduce": {
+            "evaluate": "make model eval CONFIG=<a config whose eval.draft names this folder, e.g. "
+                        "configs/smollm2-shipped.toml>; held-out: add ARGS=\"--set eval.prompts=heldout\"",
+            "ship": "python -m pipeline.ship " + " ".join(sys.argv[1:]),
+        },
+    }
+    write_json_atomic(staged / RESULTS, results)
+    if not install(staged, out, force):
+        return 3
+    print(f"[ship] {out}: {size / 1e6:.1f} MB, MT-bench AL {evals['mtbench']['acceptance_length']}, held-out AL "
+          f"{evals['heldout']['acceptance_length']}, outputs identical {evals['mtbench']['outputs_identical_to_baseline']}"
+          f" / {evals['heldout']['outputs_identical_to_baseline']}")
+    return 0
+
+
+def install(staged: Path, out: Path, force: bool = False) -> bool:
+    """Put the staged folder (complete, with its results.json) in place of `out` if its MT-bench AL is higher than
+    the one shipped there (or `force`); else move it to <out>.rejected and keep `out`. True when installed."""
+    al = lambda d: json.loads((d / RESULTS).read_text())["eval"]["mtbench"]["acceptance_length"]  # noqa: E731
+    new_al, old_al = al(staged), al(out) if (out / RESULTS).exists() else None
+    if old_al is not None and new_al <= old_al and not force:
+        rejected = out.with_name(out.name + ".rejected")
+        shutil.rmtree(rejected, ignore_errors=True)
+        staged.rename(rejected)
+        print(f"[ship] kept {out}: MT-bench AL {old_al} there, {new_al} for the new one (left in {rejected}; "
+              f"--force replaces)")
+        return False
+    if out.exists():  # swap: the old folder goes only once the new one is complete and in place
+        backup = out.with_name(out.name + ".old")
+        shutil.rmtree(backup, ignore_errors=True)
+        out.rename(backup)
+        staged.rename(out)
+        shutil.rmtree(backup)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staged.rename(out)
+    print(f"[ship] installed {out} (MT-bench AL {new_al}; before: {old_al})")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .__main__ import parse_set
+    from .env import setup_env
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the recipe's config (its [model], [data] and [eval] are used)")
+    ap.add_argument("--run", required=True, type=Path, help="the run folder that trained the draft (its manifests)")
+    ap.add_argument("--out", type=Path, help="default: data/drafters/<target>")
+    ap.add_argument("--max-mb", type=float, default=25.0)
+    ap.add_argument("--force", action="store_true", help="replace the shipped drafter even if not better")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
+    ap.add_argument("draft", type=Path, help="checkpoint or slim folder")
+    a = ap.parse_args(argv)
+    setup_env()
+    cfg = load_config(a.config, parse_set(a.set))
+    try:
+        return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force)
+    except StepError as e:
+        print(f"[ship] error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The drafter shipped in data/drafters/: its files are what its results.json says, real vLLM (CPU) serves it
+through `make eval CONFIG=configs/smollm2-shipped.toml`'s code path with exact greedy outputs and an acceptance
+floor, and `pipeline.ship` replaces it only with a better one."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from conftest import REPO
+from pipeline.config import load_config
+from pipeline.manifest import sha256_file
+from pipeline.ship import install
+from pipeline.steps import fingerprint, run
+
+SHIPPED = REPO / "data" / "drafters" / "smollm2-135m-instruct"
+
+
+def safetensors_keys(path) -> list[str]:
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+
+
+def test_shipped_files_are_what_the_results_file_says():
+    r = json.loads((SHIPPED / "results.json").read_text())
+    for name, meta in r["files"].items():
+        assert (SHIPPED / name).stat().st_size == meta["bytes"], name
+        assert sha256_file(SHIPPED / name) == meta["sha256"], name
+    assert r["files"]["model.safetensors"]["bytes"] <= 25e6
+    # the serving form: no frozen copy of the target's embedding (vLLM takes the target's)
+    assert not [k for k in safetensors_keys(SHIPPED / "model.safetensors") if "embed_tokens" in k]
+    config = json.loads((SHIPPED / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "data/models/SmolLM2-135M-Instruct"
+    assert config["draft_vocab_size"] == r["recipe"]["vocab"]["draft_vocab_size"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == r["recipe"]["train"]["eagle_aux_hidden_state_layer_ids"]
+    for workload in ("mtbench", "heldout"):
+        e = r["eval"][workload]
+        assert e["all_outputs_identical"], workload
+        assert len(e["per_position_acceptance"]) == e["num_speculative_tokens"] == 3
+        assert e["acceptance_length"] == pytest.approx(1 + sum(e["per_position_acceptance"]), abs=2e-3)
+    assert r["eval"]["mtbench"]["prompts"] == 80
+    assert r["recipe"]["data"]["sources"] and r["recipe"]["data"]["tokens"] > 0 and r["epochs"] >= 1
+    assert len(r["shipped_from"]["commit"]) == 40
+
+
+def test_vllm_serves_the_shipped_drafter(smollm2, runs_dir, work):
+    """A floor (AL >= 2.0 on 8 MT-bench prompts), not the figure: that is results.json's, on all 80."""
+    cfg = load_config(REPO / "configs" / "smollm2-shipped.toml",
+                      {"run.runs_dir": str(runs_dir), "eval.max_prompts": 8, "eval.max_tokens": 64})
+    run(cfg, "model")
+    s = run(cfg, "eval")["summary"]
+    assert s["outputs_identical_to_baseline"] == "8/8"
+    assert s["acceptance_length"] >= 2.0, s
+    assert s["draft"] == "data/drafters/smollm2-135m-instruct"
+    # the drafter's bytes are part of the eval step's fingerprint: a changed drafter is evaluated again
+    copy = work / "drafter"
+    shutil.copytree(SHIPPED, copy)
+    fp = fingerprint(load_config(cfg.source_path, {"run.runs_dir": str(runs_dir), "eval.draft": str(copy)}), "eval")
+    with open(copy / "config.json", "a") as f:
+        f.write("\n")
+    assert fingerprint(load_config(cfg.source_path, {"run.runs_dir": str(runs_dir), "eval.draft": str(copy)}), "eval") != fp
+
+
+def test_a_missing_drafter_folder_is_named(runs_dir):
+    from pipeline.manifest import StepError
+
+    cfg = load_config(REPO / "configs" / "smollm2-shipped.toml",
+                      {"run.runs_dir": str(runs_dir), "eval.draft": "data/drafters/no-such-drafter"})
+    with pytest.raises(StepError, match="no-such-drafter"):
+        fingerprint(cfg, "eval")
+
+
+def _folder(path, al):
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_text(f"weights {al}")
+    (path / "results.json").write_text(json.dumps({"eval": {"mtbench": {"acceptance_length": al}}}))
+    return path
+
+
+def test_ship_replaces_only_with_a_better_drafter(work):
+    out = _folder(work / "d", 2.3)
+    assert not install(_folder(work / "d.new", 2.3), out)  # not better: kept, the new one set aside
+    assert (out / "model.safetensors").read_text() == "weights 2.3"
+    assert (work / "d.rejected" / "model.safetensors").read_text() == "weights 2.3"
+    assert install(_folder(work / "d.new", 2.4), out)
+    assert (out / "model.safetensors").read_text() == "weights 2.4" and not (work / "d.new").exists()
+    assert not (work / "d.old").exists()
+    assert install(_folder(work / "d.new", 2.0), out, force=True)
+    assert (out / "model.safetensors").read_text() == "weights 2.0"
+    assert install(_folder(work / "e.new", 1.5), work / "e")  # nothing shipped yet: any drafter goes in
