@@ -9,6 +9,7 @@ limited in size: only what cannot be rebuilt from the target travels.
   python -m pipeline.draft_transfer slim CKPT_DIR OUT_DIR [--max-mb 15]
   python -m pipeline.draft_transfer restore SLIM_DIR TARGET_MODEL_DIR OUT_CKPT_DIR
   python -m pipeline.draft_transfer ship CKPT_OR_SLIM_DIR OUT_DIR
+  python -m pipeline.draft_transfer prune SHIPPED_DIR KEEP_DRAFT_DIR OUT_DIR
 
 `ship` writes the form a drafter is kept and served in: config.json + one model.safetensors without the
 embedding. vLLM (0.32's Eagle3LlamaForCausalLM.load_weights) and the transformers evaluator both take the
@@ -107,20 +108,46 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
 
 
 def ship(src: Path, out: Path) -> Path:
-    """A full checkpoint (model.safetensors) or a slim folder (slim.json) -> OUT/config.json + model.safetensors
-    without the embedding, split tensors joined again."""
+    """A full checkpoint (model.safetensors), a slim folder (slim.json) or a drafter already in this form ->
+    OUT/config.json + model.safetensors without the embedding, split tensors joined again."""
     from safetensors.torch import load_file, save_file
 
     if (src / "slim.json").exists():
         weights = _read_slim(src)[1]
     else:
         weights = load_file(str(src / "model.safetensors"))
-        weights.pop(_embed_key(weights))
+        if any(k.endswith(EMBED) for k in weights):  # else already in this form (e.g. from `prune`)
+            weights.pop(_embed_key(weights))
     if any(k.endswith(EMBED) for k in weights):
         raise ValueError(f"{src}: still holds an embedding after removing it")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(src / "config.json", out / "config.json")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def prune(src: Path, keep: Path, out: Path) -> Path:
+    """A shipped-form drafter (SRC) cut down to the draft vocabulary of KEEP (another drafter's folder), which must
+    be a subset of SRC's: the lm_head rows of the kept target ids, d2t/t2d rebuilt. The drafter proposes the same token as before wherever its choice is in the kept set;
+    it only loses the rare tokens (a 16k-token draft trained, then shipped with the 6,144 most frequent)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(src / "model.safetensors"))
+    t2d_keep = load_file(str(keep / "model.safetensors"))["t2d"]
+    src_ids = torch.arange(len(w["d2t"])) + w["d2t"]  # target id of each draft id (ascending)
+    if not bool(t2d_keep[src_ids].sum() == t2d_keep.sum()):
+        raise ValueError(f"{keep}: its draft vocabulary is not a subset of {src}'s")
+    rows = t2d_keep[src_ids].nonzero().squeeze(1)
+    kept_ids = src_ids[rows]
+    w["lm_head.weight"] = w["lm_head.weight"][rows].contiguous()
+    w["d2t"] = kept_ids - torch.arange(len(kept_ids))
+    w["t2d"] = t2d_keep.clone()
+    config = json.loads((src / "config.json").read_text())
+    config["draft_vocab_size"] = len(kept_ids)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(w, str(out / "model.safetensors"))
     return out
 
 
@@ -133,5 +160,7 @@ if __name__ == "__main__":
         print(restore(Path(args[0]), Path(args[1]), Path(args[2])))
     elif cmd == "ship":
         print(ship(Path(args[0]), Path(args[1])))
+    elif cmd == "prune":
+        print(prune(Path(args[0]), Path(args[1]), Path(args[2])))
     else:
         sys.exit(__doc__)

@@ -91,3 +91,34 @@ def test_ship_replaces_only_with_a_better_drafter(work):
     assert install(_folder(work / "d.new", 2.0), out, force=True)
     assert (out / "model.safetensors").read_text() == "weights 2.0"
     assert install(_folder(work / "e.new", 1.5), work / "e")  # nothing shipped yet: any drafter goes in
+
+
+def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
+    """draft_transfer.prune: a drafter trained with a larger draft vocabulary, cut to a smaller one's tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.draft_transfer import prune
+
+    def drafter(path, target_ids, lm_head):
+        path.mkdir()
+        ids = torch.tensor(target_ids)
+        t2d = torch.zeros(10, dtype=torch.bool)
+        t2d[ids] = True
+        save_file({"d2t": ids - torch.arange(len(ids)), "t2d": t2d, "lm_head.weight": lm_head,
+                   "fc.weight": torch.ones(2, 2)}, str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps({"draft_vocab_size": len(ids)}))
+        return path
+
+    from safetensors.torch import load_file
+
+    big = drafter(work / "big", [0, 2, 5, 7], torch.arange(8.0).reshape(4, 2))
+    small = drafter(work / "small", [2, 7], torch.zeros(2, 2))
+    out = prune(big, small, work / "pruned")
+    w = load_file(str(out / "model.safetensors"))
+    assert w["lm_head.weight"].tolist() == [[2.0, 3.0], [6.0, 7.0]]  # the rows of target ids 2 and 7
+    assert (torch.arange(2) + w["d2t"]).tolist() == [2, 7]
+    assert w["t2d"].nonzero().squeeze(1).tolist() == [2, 7] and w["fc.weight"].tolist() == [[1, 1], [1, 1]]
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 2
+    with pytest.raises(ValueError, match="not a subset"):
+        prune(small, drafter(work / "other", [3], torch.zeros(1, 2)), work / "bad")
