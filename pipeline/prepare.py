@@ -7,14 +7,17 @@ Outputs in runs/<run>/prepare/:
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 
 from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, prompt_ids, tokenize_conversation
-from .config import Config
-from .datasets import load_conversations, load_mtbench, near_duplicates
+from .config import PACKAGED_SOURCES, Config, repo_relative
+from .datasets import LoadReport, load_conversations, load_mtbench, near_duplicates
 from .engines.vllm_offline import Generation
 from .manifest import StepError
 
@@ -35,8 +38,8 @@ def select(convs: list[dict], cfg: Config) -> list[dict]:
     ordered = sorted(convs, key=lambda c: seeded_key(cfg.run.seed, c["id"]))
     if cfg.data.max_conversations:
         ordered = ordered[: cfg.data.max_conversations]
-    for c in ordered:
-        c["split"] = "eval" if is_eval(cfg.run.seed, c["id"], cfg.data.eval_fraction) else "train"
+    for c in ordered:  # a repeated copy (data.weights > 1) has its original's split: eval prompts never reach train
+        c["split"] = "eval" if is_eval(cfg.run.seed, c.get("origin", c["id"]), cfg.data.eval_fraction) else "train"
     return ordered
 
 
@@ -59,11 +62,126 @@ def load_tokenizer(cfg: Config):
 
 def selected_conversations(cfg: Config):
     """The config's conversations without MT-bench near-duplicates, subset and split by `select`.
-    Returns (selected, load report, ids removed as contaminated); the held-out eval prompts reuse it."""
+    Returns (selected, load report, ids removed as contaminated); the held-out eval prompts reuse it.
+    With data.sources the conversations are the weighted mix (`load_mix`) and report.sources has one summary
+    per source."""
+    if cfg.data.sources:
+        questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
+        mix, report, contaminated = load_mix(cfg, questions)
+        selected = select(mix, cfg)
+        for s in report.sources:
+            mine = [c for c in selected if c["source"] == s["tag"]]
+            s["selected"] = len(mine)
+            s["selected_eval"] = sum(c["split"] == "eval" for c in mine)
+            s["selected_train"] = len(mine) - s["selected_eval"]
+        return selected, report, contaminated
     convs, report = load_conversations(cfg.run.stack, cfg.data.path)
     questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
     contaminated = near_duplicates(convs, questions)
     return select([c for c in convs if c["id"] not in contaminated], cfg), report, contaminated
+
+
+def source_tags(sources: list[str]) -> list[str]:
+    """A short tag per data.sources entry, prefixed to its conversation ids: "sharegpt" for the packaged file,
+    else the file name without .json/.jsonl/.gz (made unique by "-2", "-3" ... in list order)."""
+    tags = []
+    for s in sources:
+        if s in PACKAGED_SOURCES:
+            base = "sharegpt"
+        else:
+            base = re.sub(r"(\.jsonl?)?(\.gz)?$", "", Path(s).name)
+            base = re.sub(r"[^A-Za-z0-9_.-]+", "_", base)[:32] or "source"
+        tag, n = base, 2
+        while tag in tags:
+            tag, n = f"{base}-{n}", n + 1
+        tags.append(tag)
+    return tags
+
+
+def _unique(cid: str, taken: set) -> str:
+    new, n = cid, 2
+    while new in taken:
+        new, n = f"{cid}~{n}", n + 1
+    taken.add(new)
+    return new
+
+
+def _prompt_key(c: dict) -> str:
+    """What makes two conversations of different sources the same: system turns, first user turn (whitespace
+    collapsed) and tools. With regenerate = "first_turn" they would become the same training sample."""
+    norm = lambda t: " ".join(t.split())  # noqa: E731
+    system = [norm(m["content"]) for m in c["messages"] if m["role"] == "system"]
+    first = next(norm(m["content"]) for m in c["messages"] if m["role"] == "user")
+    return hashlib.sha256(json.dumps([system, first, c.get("tools")], sort_keys=True).encode()).hexdigest()
+
+
+def weigh(convs: list[dict], weight: float, seed: int, taken: set) -> list[dict]:
+    """round(weight x len(convs)) conversations: floor(weight) whole copies of the source (copy k > 0 has id
+    "<id>#k" and "origin" = the original id, which decides its split), then a subset seeded by `seed` for the
+    fraction (for weight < 1, the only part)."""
+    n = len(convs)
+    total = math.floor(weight * n + 0.5)
+    whole = math.floor(weight) if n else 0
+    order = sorted(convs, key=lambda c: hashlib.sha256(f"weight:{seed}:{c['id']}".encode()).hexdigest())
+
+    def copy_of(c: dict, k: int) -> dict:
+        if k == 0:
+            return c
+        return {**copy.deepcopy(c), "id": _unique(f"{c['id']}#{k}", taken), "origin": c["id"]}
+
+    out = [copy_of(c, k) for k in range(whole) for c in convs]
+    return out + [copy_of(c, whole) for c in order[: total - whole * n]]
+
+
+def load_mix(cfg: Config, questions: list[str]) -> tuple[list[dict], LoadReport, set[str]]:
+    """The weighted mix of data.sources, in list order: each source loaded (and de-duplicated) as a single
+    data.path would be, its ids prefixed "<tag>/", its MT-bench near-duplicates removed, conversations whose
+    prompt (`_prompt_key`) an earlier source already has dropped, then weighted (`weigh`)."""
+    d = cfg.data
+    weights = d.weights or [1.0] * len(d.sources)
+    tags = source_tags(d.sources)
+    mix, contaminated, seen, taken = [], set(), set(), set()
+    total = LoadReport(source=" + ".join(f"{t} x{w:g}" for t, w in zip(tags, weights)))
+    for src, weight, tag in zip(d.sources, weights, tags):
+        packaged = src in PACKAGED_SOURCES
+        convs, rep = load_conversations(cfg.run.stack, "" if packaged else str(cfg.path(src)))
+        if not convs:
+            raise StepError(f"data.sources entry {src!r} ({rep.source}) has no usable conversations "
+                            f"(dropped: {rep.dropped}); fix the file or remove it from data.sources in {cfg.source_path}")
+        for c in convs:
+            c["id"] = _unique(f"{tag}/{c['id']}", taken)
+            c["source"] = tag
+        hits = near_duplicates(convs, questions)
+        contaminated |= hits
+        usable, keys, cross = [], set(), 0
+        for c in convs:
+            if c["id"] in hits:
+                continue
+            k = _prompt_key(c)
+            if k in seen:
+                cross += 1
+                continue
+            keys.add(k)
+            usable.append(c)
+        seen |= keys  # within a source only identical conversations are duplicates (as for data.path)
+        weighted = weigh(usable, weight, cfg.run.seed, taken)
+        mix += weighted
+        total.records_recovered += rep.records_recovered
+        total.bytes_skipped_at_end += rep.bytes_skipped_at_end
+        for reason, n in rep.dropped.items():
+            total.dropped[reason] = total.dropped.get(reason, 0) + n
+        if cross:
+            total.dropped["duplicate of an earlier source"] = total.dropped.get("duplicate of an earlier source", 0) + cross
+        total.sources.append({
+            "tag": tag, "path": rep.source if packaged else repo_relative(cfg.path(src)), "sha256": rep.sha256,
+            "weight": weight, "records_read": rep.records_recovered,
+            "bytes_skipped_at_truncated_end": rep.bytes_skipped_at_end, "dropped": rep.dropped,
+            "duplicates_dropped": rep.dropped.get("duplicate", 0), "duplicates_of_earlier_sources": cross,
+            "mtbench_near_duplicates_removed": len(hits), "usable_conversations": len(usable),
+            "weighted_conversations": len(weighted),
+        })
+    total.kept = len(mix)
+    return mix, total, contaminated
 
 
 def run(cfg: Config, out: Path) -> dict:
@@ -83,6 +201,7 @@ def run(cfg: Config, out: Path) -> dict:
     for split in SPLIT_DIRS:  # left by an interrupted run (same inputs; the step folder is kept to resume)
         shutil.rmtree(out / split, ignore_errors=True)
     rows = {"train": [], "eval": []}
+    samples_of = {}  # (source tag, split) -> samples, for a mix's per-source summary
     rejected: dict[str, int] = {}
     with open(out / "conversations.jsonl", "w") as f:
         for c in selected:
@@ -98,6 +217,7 @@ def run(cfg: Config, out: Path) -> dict:
             rows[c["split"]].append(
                 {"id": c["id"], "input_ids": t.input_ids, "loss_mask": t.loss_mask, "seq_len": len(t.input_ids)}
             )
+            samples_of[c.get("source"), c["split"]] = samples_of.get((c.get("source"), c["split"]), 0) + 1
             f.write(json.dumps(c) + "\n")
     if not rows["train"]:
         raise StepError("prepare produced no training samples; raise data.max_conversations or lower data.min_assistant_tokens")
@@ -111,6 +231,12 @@ def run(cfg: Config, out: Path) -> dict:
         Dataset.from_dict(columns, features=_features()).save_to_disk(str(out / split))
     (out / REGEN_CACHE).unlink(missing_ok=True)  # its answers are in conversations.jsonl now
     tokens = sum(r["seq_len"] for rs in rows.values() for r in rs)
+    mix = {}
+    if report.sources:
+        for s in report.sources:
+            s["train_samples"] = samples_of.get((s["tag"], "train"), 0)
+            s["eval_samples"] = samples_of.get((s["tag"], "eval"), 0)
+        mix = {"sources": report.sources}
     assistant = sum(sum(r["loss_mask"]) for rs in rows.values() for r in rs)
     return {
         "summary": {
@@ -131,6 +257,7 @@ def run(cfg: Config, out: Path) -> dict:
             "eval_samples": len(rows["eval"]),
             "tokens": tokens,
             "assistant_tokens": assistant,
+            **mix,
         }
     }
 
