@@ -45,7 +45,8 @@ def first_turns(cfg: Config) -> list[list[dict]]:
         raise StepError(f"eval.prompts = {cfg.eval.prompts!r} in {cfg.source_path or 'the config'}; use 'mtbench' or 'heldout'")
     from .prepare import selected_conversations
 
-    held = [c for c in selected_conversations(cfg)[0] if c["split"] == "eval"]
+    # a repeated copy of a conversation (data.weights > 1, "origin") is the same prompt again: counted once
+    held = [c for c in selected_conversations(cfg)[0] if c["split"] == "eval" and "origin" not in c]
     turns = []
     for c in held:
         first_user = next(i for i, m in enumerate(c["messages"]) if m["role"] == "user")

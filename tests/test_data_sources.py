@@ -131,6 +131,7 @@ def test_heldout_prompts_come_from_the_mix_deterministically(work):
     assert turns and turns == first_turns(cfg)
     held = {first_user(c) for c in selected_conversations(cfg)[0] if c["split"] == "eval"}
     assert {t[-1]["content"] for t in turns} == held
+    assert len(turns) == len(held)  # a repeated copy (weight 2) is not a second eval prompt
 
 
 @pytest.mark.parametrize("data, message", [
