@@ -28,8 +28,13 @@ DRAFT_FILES = ("config.json", "model.safetensors")
 
 def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
     """(upstream steps, extra inputs): eval of a drafter made elsewhere (eval.draft) needs only the model step,
-    and the drafter's files stand in for the train step's outputs in its fingerprint."""
+    and the drafter's files stand in for the train step's outputs in its fingerprint; prepare of a mix
+    (data.sources) has its files' contents in its fingerprint."""
     upstream = STEPS[step][2]
+    if step == "prepare" and cfg.data.sources:  # the files' contents, not only their names (the packaged one is pinned)
+        from .config import PACKAGED_SOURCES
+
+        return upstream, {"sources": [s if s in PACKAGED_SOURCES else sha256_file(cfg.path(s)) for s in cfg.data.sources]}
     if step == "eval" and cfg.eval.draft:
         from .evaluate import given_draft
 

@@ -203,3 +203,14 @@ def test_prepare_summary_records_every_source(work, smollm2):
     assert s["source"] == "alpha x1 + beta x0.5"
     ids = [json.loads(line)["id"] for line in (out / "conversations.jsonl").read_text().splitlines()]
     assert len(ids) == len(set(ids)) == 18
+
+
+def test_a_source_file_changed_in_place_changes_prepares_inputs(work):
+    from pipeline.steps import upstream_of
+
+    a = write_jsonl(work / "alpha.jsonl", [conv(i, "dunes") for i in range(5)])
+    cfg = mixed_config(work, [a, "sharegpt"], [1.0, 0.1])
+    before = upstream_of(cfg, "prepare")
+    assert before[0] == ("model",) and before[1]["sources"][1] == "sharegpt"
+    write_jsonl(a, [conv(i, "dunes") for i in range(6)])
+    assert upstream_of(cfg, "prepare")[1] != before[1]
