@@ -191,6 +191,15 @@ def run(cfg: Config, out: Path) -> dict:
     if not any(c["split"] == "eval" for c in selected):  # say so before hours of regeneration, not after
         raise _no_eval_samples(cfg, selected)
 
+    if cfg.data.regenerate == "off":  # prompt-only sources (pipeline.prompt_sets) carry a stand-in answer
+        from .prompt_sets import PLACEHOLDER
+
+        stand_ins = sorted({c.get("source", report.source) for c in selected
+                            if any(m["role"] == "assistant" and m["content"] == PLACEHOLDER for m in c["messages"])})
+        if stand_ins:
+            raise StepError(f"data source(s) {stand_ins} hold prompts without answers (pipeline.prompt_sets); with "
+                            f"data.regenerate = \"off\" the draft would learn the stand-in answer. Set data.regenerate = "
+                            f"\"first_turn\" or \"all_turns\" in {cfg.source_path}")
     tok = load_tokenizer(cfg)
     if not tok.chat_template:
         raise StepError(f"{cfg.model_path}: the tokenizer has no chat template; training data needs one")

@@ -214,3 +214,17 @@ def test_a_source_file_changed_in_place_changes_prepares_inputs(work):
     assert before[0] == ("model",) and before[1]["sources"][1] == "sharegpt"
     write_jsonl(a, [conv(i, "dunes") for i in range(6)])
     assert upstream_of(cfg, "prepare")[1] != before[1]
+
+
+def test_prompt_only_sources_are_refused_without_regeneration(work):
+    """A prompt_sets file carries a stand-in answer; training on it with data.regenerate = "off" is refused."""
+    from pipeline import prepare
+    from pipeline.manifest import StepError
+    from pipeline.prompt_sets import PLACEHOLDER
+
+    a = write_jsonl(work / "alpha.jsonl", [conv(i, "comets") for i in range(12)])
+    b = write_jsonl(work / "prompts.jsonl", [conv(i, "orchids", answer=PLACEHOLDER) for i in range(12)])
+    out = work / "prepare"
+    out.mkdir()
+    with pytest.raises(StepError, match=r"\['prompts'\] hold prompts without answers"):
+        prepare.run(mixed_config(work, [a, b], [1.0, 1.0], eval_fraction=0.25), out)
