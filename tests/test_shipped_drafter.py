@@ -47,12 +47,13 @@ def test_shipped_files_are_what_the_results_file_says():
 
 
 def test_vllm_serves_the_shipped_drafter(smollm2, runs_dir, work):
-    """A floor (AL >= 2.0 on 8 MT-bench prompts), not the figure: that is results.json's, on all 80."""
-    cfg = load_config(REPO / "configs" / "smollm2-shipped.toml",
-                      {"run.runs_dir": str(runs_dir), "eval.max_prompts": 8, "eval.max_tokens": 64})
+    """A floor (AL >= 2.0 over the first 32 tokens of every MT-bench answer), not the figure: that is
+    results.json's, 128 tokens. Fewer prompts would not do: the first ones are all writing prompts (the first 8
+    at 64 tokens: AL 1.85), and the categories differ (NOTES.md); 80 x 32 tokens measured 2.140, 3.4 min."""
+    cfg = load_config(REPO / "configs" / "smollm2-shipped.toml", {"run.runs_dir": str(runs_dir), "eval.max_tokens": 32})
     run(cfg, "model")
     s = run(cfg, "eval")["summary"]
-    assert s["outputs_identical_to_baseline"] == "8/8"
+    assert s["outputs_identical_to_baseline"] == "80/80"
     assert s["acceptance_length"] >= 2.0, s
     assert s["draft"] == "data/drafters/smollm2-135m-instruct"
     # the drafter's bytes are part of the eval step's fingerprint: a changed drafter is evaluated again

@@ -95,6 +95,8 @@ def test_eval_measures_acceptance_and_exactness(trained_run):
     assert "prefix parity over the first 16 tokens" in report and "target head on the final state" in report
     slower = t["tokens_per_s"] < r["baseline_tokens_per_s"]
     assert ("Slower with the drafter" in report) == slower  # the report says why, where it happened
+    shipped = json.loads((REPO / "data/drafters/smollm2-135m-instruct/results.json").read_text())
+    assert f"MT-bench AL {shipped['eval']['mtbench']['acceptance_length']}" in report  # quoted from results.json
 
 
 def test_training_resumes_after_a_kill(trained_run, runs_dir):
