@@ -52,8 +52,10 @@ def recipe(run: Path) -> dict:
         "config_file": train.get("config_file"),
         "run": run.name,
         "data": {
-            "sources": [{"name": ps.get("source") or data.get("path") or data["source"],
-                         "package": prep.get("stack", {}).get("SHAREGPT_PACKAGE"),
+            "sources": [{k: s.get(k) for k in ("tag", "path", "sha256", "weight", "selected")} for s in ps["sources"]]
+                       if ps.get("sources") else
+                       [{"name": ps.get("source") or data.get("path") or data["source"],
+                         "package": prep.get("stack", {}).get("SHAREGPT_PACKAGE"),  # the file is read from, or derived from, it
                          "conversations": ps.get("selected"), "weight": 1.0}],
             "regenerate": data.get("regenerate"), "max_new_tokens": data.get("max_new_tokens"),
             "regenerated_answers": ps.get("regenerated_turns"), "train_samples": ps.get("train_samples"),
@@ -70,6 +72,23 @@ def recipe(run: Path) -> dict:
                   "packages": train.get("packages"), "patch_series_sha256": train.get("patch_series_sha256"),
                   "git": train.get("git")},
     }
+
+
+# What decides which conversations prepare holds out (ids are hashed with the seed; a mix prefixes its ids)
+SPLIT_KEYS = (("run", "seed", 0), ("data", "eval_fraction", None), ("data", "max_conversations", None),
+              ("data", "sources", []), ("data", "weights", []))
+
+
+def check_heldout_split(cfg: Config, run: Path) -> None:
+    """The held-out prompts are rebuilt from the config: refuse when it would split the conversations other than
+    the run that trained the draft did (the 'held-out' figure would be measured on trained-on prompts). data.path
+    may differ (a file derived from the same conversations keeps their ids); it is recorded in results.json."""
+    made = read_manifest(run / "prepare")["config_sections"]
+    differ = [f"{s}.{k} (run: {made.get(s, {}).get(k, d)!r}, config: {getattr(getattr(cfg, s), k)!r})"
+              for s, k, d in SPLIT_KEYS if made.get(s, {}).get(k, d) != getattr(getattr(cfg, s), k)]
+    if differ:
+        raise StepError(f"{_rel(cfg.source_path)} splits the data other than {run} did: {', '.join(differ)}; give "
+                        f"--config the run's settings (or --set them) so the held-out prompts are the ones it held out")
 
 
 def serving_form(draft: Path, out: Path, cfg: Config) -> None:
@@ -103,6 +122,7 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
     if not (cfg.model_path / "config.json").exists():
         raise StepError(f"the target {cfg.model_path} is missing; run `make model CONFIG={_rel(cfg.source_path)}` first")
     made = recipe(run)
+    check_heldout_split(cfg, run)
     staged = out.with_name(out.name + ".new")
     shutil.rmtree(staged, ignore_errors=True)
     serving_form(draft, staged, cfg)
@@ -144,6 +164,9 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
 def install(staged: Path, out: Path, force: bool = False) -> bool:
     """Put the staged folder (complete, with its results.json) in place of `out` if its MT-bench AL is higher than
     the one shipped there (or `force`); else move it to <out>.rejected and keep `out`. True when installed."""
+    backup = out.with_name(out.name + ".old")
+    if backup.exists() and not out.exists():  # a swap cut short by a crash: the shipped drafter is the backup
+        backup.rename(out)
     al = lambda d: json.loads((d / RESULTS).read_text())["eval"]["mtbench"]["acceptance_length"]  # noqa: E731
     new_al, old_al = al(staged), al(out) if (out / RESULTS).exists() else None
     if old_al is not None and new_al <= old_al and not force:
@@ -154,7 +177,6 @@ def install(staged: Path, out: Path, force: bool = False) -> bool:
               f"--force replaces)")
         return False
     if out.exists():  # swap: the old folder goes only once the new one is complete and in place
-        backup = out.with_name(out.name + ".old")
         shutil.rmtree(backup, ignore_errors=True)
         out.rename(backup)
         staged.rename(out)

@@ -39,7 +39,10 @@ def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
         from .evaluate import given_draft
 
         d = given_draft(cfg)
-        return ("model",), {"draft": {f: sha256_file(d / f) for f in DRAFT_FILES}}
+        extra = {"draft": {f: sha256_file(d / f) for f in DRAFT_FILES}}
+        if cfg.eval.prompts == "heldout":  # the prompts come from [run] and [data] (and the sources' contents)
+            extra["heldout_from"] = [cfg.section_hash("run", "data"), upstream_of(cfg, "prepare")[1]]
+        return ("model",), extra
     return upstream, {}
 
 

@@ -123,3 +123,37 @@ def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 2
     with pytest.raises(ValueError, match="not a subset"):
         prune(small, drafter(work / "other", [3], torch.zeros(1, 2)), work / "bad")
+
+
+def test_ship_recovers_a_swap_cut_short(work):
+    """A crash between moving the shipped drafter aside and putting the new one in place loses nothing: the next
+    ship puts the old one back first, so a worse drafter still cannot replace it."""
+    out = _folder(work / "d", 2.3)
+    out.rename(work / "d.old")  # what the crash leaves
+    assert not install(_folder(work / "d.new", 2.1), out)
+    assert (out / "model.safetensors").read_text() == "weights 2.3" and not (work / "d.old").exists()
+
+
+def test_ship_refuses_a_config_that_splits_the_data_otherwise(work):
+    from pipeline.manifest import StepError
+    from pipeline.ship import check_heldout_split
+
+    run = work / "run"
+    (run / "prepare").mkdir(parents=True)
+    cfg = load_config(REPO / "configs" / "smollm2-quality.toml")
+    sections = {"run": {"seed": 0}, "data": {"eval_fraction": 0.02, "max_conversations": 0, "path": "elsewhere.jsonl"}}
+    (run / "prepare" / "manifest.json").write_text(json.dumps({"status": "complete", "config_sections": sections}))
+    check_heldout_split(cfg, run)  # same split (data.path may differ)
+    sections["data"]["sources"] = ["sharegpt", "mine.jsonl"]
+    (run / "prepare" / "manifest.json").write_text(json.dumps({"status": "complete", "config_sections": sections}))
+    with pytest.raises(StepError, match="data.sources"):
+        check_heldout_split(cfg, run)
+
+
+def test_heldout_eval_of_a_given_drafter_depends_on_the_data_settings():
+    from pipeline.steps import upstream_of
+
+    base = {"eval.prompts": "heldout"}
+    a = upstream_of(load_config(REPO / "configs" / "smollm2-shipped.toml", base), "eval")[1]
+    b = upstream_of(load_config(REPO / "configs" / "smollm2-shipped.toml", {**base, "data.eval_fraction": 0.1}), "eval")[1]
+    assert a["draft"] == b["draft"] and a != b
