@@ -46,7 +46,11 @@ def first_turns(cfg: Config) -> list[list[dict]]:
     from .prepare import selected_conversations
 
     # a repeated copy of a conversation (data.weights > 1, "origin") is the same prompt again: counted once
-    held = [c for c in selected_conversations(cfg)[0] if c["split"] == "eval" and "origin" not in c]
+    held, ids = [], set()
+    for c in selected_conversations(cfg)[0]:
+        if c["split"] == "eval" and c.get("origin", c["id"]) not in ids:
+            ids.add(c.get("origin", c["id"]))
+            held.append(c)
     turns = []
     for c in held:
         first_user = next(i for i, m in enumerate(c["messages"]) if m["role"] == "user")

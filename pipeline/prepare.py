@@ -163,8 +163,13 @@ def load_mix(cfg: Config, questions: list[str]) -> tuple[list[dict], LoadReport,
                 continue
             keys.add(k)
             usable.append(c)
-        seen |= keys  # within a source only identical conversations are duplicates (as for data.path)
         weighted = weigh(usable, weight, cfg.run.seed, taken)
+        if usable and not weighted:
+            raise StepError(f"data.sources entry {src!r}: weight {weight:g} x {len(usable)} usable conversations rounds "
+                            f"to none; raise its weight in data.weights in {cfg.source_path} or remove the source")
+        # within a source only identical conversations are duplicates (as for data.path); a later source loses only
+        # the prompts this one actually contributes (not those its weight left out)
+        seen |= {_prompt_key(c) for c in weighted}
         mix += weighted
         total.records_recovered += rep.records_recovered
         total.bytes_skipped_at_end += rep.bytes_skipped_at_end

@@ -228,3 +228,20 @@ def test_prompt_only_sources_are_refused_without_regeneration(work):
     out.mkdir()
     with pytest.raises(StepError, match=r"\['prompts'\] hold prompts without answers"):
         prepare.run(mixed_config(work, [a, b], [1.0, 1.0], eval_fraction=0.25), out)
+
+
+def test_a_weight_that_rounds_to_nothing_is_refused(work):
+    from pipeline.manifest import StepError
+
+    a = write_jsonl(work / "alpha.jsonl", [conv(i, "tides") for i in range(20)])
+    b = write_jsonl(work / "beta.jsonl", [conv(i, "lichens") for i in range(3)])
+    with pytest.raises(StepError, match="rounds to none"):
+        selected_conversations(mixed_config(work, [a, b], [1.0, 0.1]))
+
+
+def test_a_prompt_left_out_by_its_weight_is_kept_from_a_later_source(work):
+    a = write_jsonl(work / "alpha.jsonl", [conv(i, "bridges") for i in range(20)])
+    b = write_jsonl(work / "beta.jsonl", [conv(i, "bridges") for i in range(20)])  # the same 20 prompts
+    selected, report, _ = selected_conversations(mixed_config(work, [a, b], [0.5, 1.0]))
+    assert len({first_user(c) for c in selected}) == 20  # alpha's 10 + the 10 it left out, from beta
+    assert by_tag(report)["beta"]["duplicates_of_earlier_sources"] == 10
