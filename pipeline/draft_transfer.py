@@ -128,8 +128,8 @@ def ship(src: Path, out: Path) -> Path:
 
 def prune(src: Path, keep: Path, out: Path) -> Path:
     """A shipped-form drafter (SRC) cut down to the draft vocabulary of KEEP (another drafter's folder), which must
-    be a subset of SRC's: the lm_head rows of the kept target ids, d2t/t2d rebuilt. The drafter proposes the same token as before wherever its choice is in the kept set;
-    it only loses the rare tokens (a 16k-token draft trained, then shipped with the 6,144 most frequent)."""
+    be a subset of SRC's: the lm_head rows of the kept target ids, d2t/t2d rebuilt. The drafter proposes the same
+    token as before wherever its choice is in the kept set; it only loses the rare tokens (a 16k-token draft trained, then shipped with the 6,144 most frequent)."""
     import torch
     from safetensors.torch import load_file, save_file
 

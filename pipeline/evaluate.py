@@ -153,8 +153,7 @@ def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
 
 def given_draft(cfg: Config) -> Path:
     """The drafter folder eval.draft names (relative to the repository), checked."""
-    p = Path(cfg.eval.draft)
-    p = p if p.is_absolute() else REPO_ROOT / p
+    p = cfg.path(cfg.eval.draft)
     if not p.is_dir():
         raise StepError(f"eval.draft = {cfg.eval.draft!r} in {cfg.source_path or 'the config'}: no such folder ({p})")
     check_checkpoint(p, f"eval.draft ({cfg.eval.draft})",
@@ -170,10 +169,9 @@ def run(cfg: Config, out: Path) -> dict:
         drafts = {"trained": cfg.step_dir("train") / "checkpoint"}
         check_checkpoint(drafts["trained"], "trained draft")
         check_precision(cfg, require_manifest(cfg, "extract")["summary"])
-    untrained = cfg.step_dir("train") / "untrained"
-    if cfg.eval.untrained_floor and not cfg.eval.draft:
-        check_checkpoint(untrained, "untrained draft")
-        drafts["untrained"] = untrained
+        if cfg.eval.untrained_floor:
+            drafts["untrained"] = cfg.step_dir("train") / "untrained"
+            check_checkpoint(drafts["untrained"], "untrained draft")
     report = evaluate_drafts(cfg, drafts, out)
     t = report["drafters"][next(iter(drafts))]
     summary = {

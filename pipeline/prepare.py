@@ -65,8 +65,8 @@ def selected_conversations(cfg: Config):
     Returns (selected, load report, ids removed as contaminated); the held-out eval prompts reuse it.
     With data.sources the conversations are the weighted mix (`load_mix`) and report.sources has one summary
     per source."""
+    questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
     if cfg.data.sources:
-        questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
         mix, report, contaminated = load_mix(cfg, questions)
         selected = select(mix, cfg)
         for s in report.sources:
@@ -76,7 +76,6 @@ def selected_conversations(cfg: Config):
             s["selected_train"] = len(mine) - s["selected_eval"]
         return selected, report, contaminated
     convs, report = load_conversations(cfg.run.stack, cfg.data.path)
-    questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
     contaminated = near_duplicates(convs, questions)
     return select([c for c in convs if c["id"] not in contaminated], cfg), report, contaminated
 
@@ -153,7 +152,7 @@ def load_mix(cfg: Config, questions: list[str]) -> tuple[list[dict], LoadReport,
             c["source"] = tag
         hits = near_duplicates(convs, questions)
         contaminated |= hits
-        usable, keys, cross = [], set(), 0
+        usable, key_of, cross = [], {}, 0
         for c in convs:
             if c["id"] in hits:
                 continue
@@ -161,7 +160,7 @@ def load_mix(cfg: Config, questions: list[str]) -> tuple[list[dict], LoadReport,
             if k in seen:
                 cross += 1
                 continue
-            keys.add(k)
+            key_of[c["id"]] = k
             usable.append(c)
         weighted = weigh(usable, weight, cfg.run.seed, taken)
         if usable and not weighted:
@@ -169,7 +168,7 @@ def load_mix(cfg: Config, questions: list[str]) -> tuple[list[dict], LoadReport,
                             f"to none; raise its weight in data.weights in {cfg.source_path} or remove the source")
         # within a source only identical conversations are duplicates (as for data.path); a later source loses only
         # the prompts this one actually contributes (not those its weight left out)
-        seen |= {_prompt_key(c) for c in weighted}
+        seen |= {key_of[c.get("origin", c["id"])] for c in weighted}
         mix += weighted
         total.records_recovered += rep.records_recovered
         total.bytes_skipped_at_end += rep.bytes_skipped_at_end
