@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -118,7 +119,8 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
     return results
 
 
-def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float = 25.0, force: bool = False) -> int:
+def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float = 25.0, force: bool = False,
+                 command: str = "") -> int:
     if not (cfg.model_path / "config.json").exists():
         raise StepError(f"the target {cfg.model_path} is missing; run `make model CONFIG={_rel(cfg.source_path)}` first")
     made = recipe(run)
@@ -149,7 +151,7 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
         "reproduce": {
             "evaluate": "make model eval CONFIG=<a config whose eval.draft names this folder, e.g. "
                         "configs/smollm2-shipped.toml>; held-out: add ARGS=\"--set eval.prompts=heldout\"",
-            "ship": "python -m pipeline.ship " + " ".join(sys.argv[1:]),
+            "ship": command,
         },
     }
     write_json_atomic(staged / RESULTS, results)
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_env()
     cfg = load_config(a.config, parse_set(a.set))
     try:
-        return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force)
+        command = shlex.join(["python", "-m", "pipeline.ship", *(sys.argv[1:] if argv is None else argv)])
+        return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force, command)
     except StepError as e:
         print(f"[ship] error: {e}", file=sys.stderr)
         return 2
