@@ -24,8 +24,11 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         pos = " / ".join(f"{p:.3f}" for p in r["mtbench_pos"])
         held = f"{r['heldout_al']:.3f}" if r.get("heldout_al") else "-"
+        if r.get("heldout_other"):  # measured on other held-out prompts: shown, never plotted beside the rest
+            held = f"({r['heldout_other']['al']:.3f} on {r['heldout_other']['prompts']})"
         tokens = f"{r['tokens'] / 1e6:.2f}M" if r.get("tokens") else "-"
-        out.append(f"| {r['name']} | {r['answers']}, {r['turns']} | {r['train_samples']:,} | {tokens} "
+        data = f"{r['answers']}, {r['turns']}" + (f", {r['sources']}" if r.get("sources") else "")
+        out.append(f"| {r['name']} | {data} | {r['train_samples']:,} | {tokens} "
                    f"| {r['layers']} | {r['vocab']:,} | {r['epochs']} | {r['mtbench_al']:.3f} | {pos} | {held} "
                    f"| {r['identical']} | {r['session']} |")
     return "\n".join(out)
