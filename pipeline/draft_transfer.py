@@ -135,6 +135,9 @@ def prune(src: Path, keep: Path, out: Path) -> Path:
 
     w = load_file(str(src / "model.safetensors"))
     t2d_keep = load_file(str(keep / "model.safetensors"))["t2d"]
+    if len(t2d_keep) != len(w["t2d"]):  # t2d spans the target's whole vocabulary
+        raise ValueError(f"{keep}: its t2d covers {len(t2d_keep)} target tokens, {src}'s {len(w['t2d'])}: drafters "
+                         f"of different targets")
     src_ids = torch.arange(len(w["d2t"])) + w["d2t"]  # target id of each draft id (ascending)
     if not bool(t2d_keep[src_ids].sum() == t2d_keep.sum()):
         raise ValueError(f"{keep}: its draft vocabulary is not a subset of {src}'s")

@@ -101,10 +101,10 @@ def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
 
     from pipeline.draft_transfer import prune
 
-    def drafter(path, target_ids, lm_head):
+    def drafter(path, target_ids, lm_head, target_vocab=10):
         path.mkdir()
         ids = torch.tensor(target_ids)
-        t2d = torch.zeros(10, dtype=torch.bool)
+        t2d = torch.zeros(target_vocab, dtype=torch.bool)
         t2d[ids] = True
         save_file({"d2t": ids - torch.arange(len(ids)), "t2d": t2d, "lm_head.weight": lm_head,
                    "fc.weight": torch.ones(2, 2)}, str(path / "model.safetensors"))
@@ -123,6 +123,8 @@ def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 2
     with pytest.raises(ValueError, match="not a subset"):
         prune(small, drafter(work / "other", [3], torch.zeros(1, 2)), work / "bad")
+    with pytest.raises(ValueError, match="different targets"):  # a subset by ids, but of another target's vocabulary
+        prune(big, drafter(work / "wider", [2, 7], torch.zeros(2, 2), target_vocab=12), work / "bad")
 
 
 def test_ship_recovers_a_swap_cut_short(work):
