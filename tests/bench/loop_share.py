@@ -15,6 +15,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from pipeline.env import setup_env  # noqa: E402
+
+setup_env()  # caches inside the repo (transformers' import leaves a torchinductor folder in /tmp otherwise)
 
 
 def repeated_share(ids: list[int], n: int = 8) -> tuple[int, int]:
