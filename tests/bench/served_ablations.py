@@ -35,6 +35,12 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], axes: list[dict], path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from pipeline.env import setup_env
+
+    setup_env()  # matplotlib's cache inside the repo, not in $HOME
     import matplotlib
 
     matplotlib.use("Agg")
