@@ -31,6 +31,22 @@ def repeated_share(ids: list[int], n: int = 8) -> tuple[int, int]:
     return rep, len(ids)
 
 
+def terminal_loop(ids: list[int], n: int = 8, min_len: int = 32, dense: float = 0.9) -> int:
+    """Tokens in the answer's terminal loop: the longest tail (>= min_len tokens) of which >= dense repeat an
+    earlier n-gram; 0 when there is none. What cutting each answer where its loop starts would remove."""
+    seen, flags = set(), [0] * len(ids)
+    for i in range(len(ids) - n + 1):
+        g = tuple(ids[i:i + n])
+        flags[i + n - 1] = g in seen
+        seen.add(g)
+    rep, best = 0, 0
+    for k in range(1, len(ids) + 1):  # tails of length k, from the end
+        rep += flags[len(ids) - k]
+        if k >= min_len and rep >= dense * k:
+            best = k
+    return best
+
+
 def share(pairs) -> str:
     rep = tot = 0
     for r, t in pairs:
@@ -58,9 +74,13 @@ def main(argv: list[str]) -> int:
     capped = sum(len(x) >= 256 for x in answers) / max(len(answers), 1)
     print(f"training answers ({len(answers):,}; {capped:.1%} at >= 256 tokens): repeating "
           f"{share(repeated_share(x) for x in answers)}; first 128 tokens: {share(repeated_share(x[:128]) for x in answers)}")
+    tail = sum(terminal_loop(x) for x in answers)
+    print(f"terminal loops (tails >= 32 tokens, >= 90 % repeats): {tail / max(sum(map(len, answers)), 1):.3f} of the "
+          f"answer tokens, in {sum(terminal_loop(x) > 0 for x in answers) / max(len(answers), 1):.1%} of the answers")
     if a.eval_result:
         outs = json.loads(a.eval_result.read_text())["outputs"]
-        print(f"target's greedy eval outputs ({len(outs)}): repeating {share(repeated_share(x) for x in outs)}")
+        print(f"target's greedy eval outputs ({len(outs)}): repeating {share(repeated_share(x) for x in outs)}; "
+              f"terminal loops {sum(terminal_loop(x) for x in outs) / max(sum(map(len, outs)), 1):.3f}")
     return 0
 
 
