@@ -20,10 +20,7 @@ from pipeline.__main__ import parse_set  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.evaluate import first_turns  # noqa: E402
 from pipeline.prepare import selected_conversations  # noqa: E402
-
-
-def norm(text: str) -> str:
-    return " ".join(text.split()).casefold()
+from pipeline.prompt_sets import normalise  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -33,11 +30,10 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     cfg = load_config(a.config, parse_set(a.set + ["eval.prompts=heldout"]))
     convs = selected_conversations(cfg)[0]
-    trained = {norm(m["content"]) for c in convs if c["split"] == "train" for m in c["messages"] if m["role"] == "user"}
+    trained = {normalise(m["content"]) for c in convs if c["split"] == "train" for m in c["messages"] if m["role"] == "user"}
     held = first_turns(cfg)
     tags = Counter(str(c.get("source", "-")) for c in convs if c["split"] == "eval")
-    hits = [next(m["content"] for m in h if m["role"] == "user") for h in held
-            if norm(next(m["content"] for m in h if m["role"] == "user")) in trained]
+    hits = [h[-1]["content"] for h in held if normalise(h[-1]["content"]) in trained]  # h ends with its user turn
     print(f"{len(held)} held-out first turns (eval split by source: {dict(tags)}); {len(hits)} occur verbatim as a "
           f"user turn of a training conversation")
     for h in hits:

@@ -21,27 +21,27 @@ from pipeline.env import setup_env  # noqa: E402
 setup_env()  # caches inside the repo (transformers' import leaves a torchinductor folder in /tmp otherwise)
 
 
-def repeated_share(ids: list[int], n: int = 8) -> tuple[int, int]:
-    """(tokens whose ending n-gram occurred earlier in ids, len(ids))."""
-    seen, rep = set(), 0
-    for i in range(len(ids) - n + 1):
-        g = tuple(ids[i:i + n])
-        rep += g in seen
-        seen.add(g)
-    return rep, len(ids)
-
-
-def terminal_loop(ids: list[int], n: int = 8, min_len: int = 32, dense: float = 0.9) -> int:
-    """Tokens in the answer's terminal loop: the longest tail (>= min_len tokens) of which >= dense repeat an
-    earlier n-gram; 0 when there is none. What cutting each answer where its loop starts would remove."""
-    seen, flags = set(), [0] * len(ids)
+def repeat_flags(ids: list[int], n: int = 8) -> list[bool]:
+    """For each token: does the n-gram ending at it occur earlier in ids?"""
+    seen, flags = set(), [False] * len(ids)
     for i in range(len(ids) - n + 1):
         g = tuple(ids[i:i + n])
         flags[i + n - 1] = g in seen
         seen.add(g)
+    return flags
+
+
+def repeated_share(ids: list[int]) -> tuple[int, int]:
+    """(tokens whose ending 8-gram occurred earlier in ids, len(ids))."""
+    return sum(repeat_flags(ids)), len(ids)
+
+
+def terminal_loop(ids: list[int], min_len: int = 32, dense: float = 0.9) -> int:
+    """Tokens in the answer's terminal loop: the longest tail (>= min_len tokens) of which >= dense repeat an
+    earlier 8-gram; 0 when there is none. What cutting each answer where its loop starts would remove."""
     rep, best = 0, 0
-    for k in range(1, len(ids) + 1):  # tails of length k, from the end
-        rep += flags[len(ids) - k]
+    for k, repeated in enumerate(reversed(repeat_flags(ids)), 1):  # tails of length k, from the end
+        rep += repeated
         if k >= min_len and rep >= dense * k:
             best = k
     return best
