@@ -33,6 +33,7 @@ PHASE=$1
 BUDGET=${BUDGET:-560}          # seconds this phase may use (the device command limit is 600)
 CONFIG=${CONFIG:-configs/smollm2-quality-h200.toml}   # another config only for a dry run of a phase on CPU
 OUT=${OUT:-.cache/h200-out}    # the device tool's outbound folder (emptied before every call)
+VARIANT_VOCAB=${VARIANT_VOCAB:-6144}   # s8: the draft vocabulary of the drafter trained beside the recipe's (0: none)
 LOGS=.cache/h200-logs          # kept on the machine between back-to-back calls
 MAIN=smollm2-quality-h200
 DATA="data.path=data/packages/sharegpt-first-turns.jsonl.gz"
@@ -187,7 +188,7 @@ case $PHASE in
     stash; model_wheel || exit 1
     mkdir -p .cache/h200-send
     DEADLINE=$DEADLINE S8_SET=${S8_SET:-} SPEED=${SPEED:-1} EPOCHS=${EPOCHS:-8} RATE=${RATE:-70000} \
-      VARIANT_VOCAB=${VARIANT_VOCAB:-6144} setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
+      VARIANT_VOCAB=$VARIANT_VOCAB setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
   s8-chain)
     S8=(--set run.name=s8-allturns --set data.regenerate=\"all_turns\")
@@ -220,11 +221,11 @@ case $PHASE in
     # trained 125-143k tokens/s (1,102 steps of 8,192 tokens in ~65 s); two sharing the GPU are guessed at 70k each,
     # 25 s per epoch for the eval split and the checkpoint, 300 s kept for the speed runs and sending back.
     # VARIANT_VOCAB=0: the recipe's draft alone (one run trains ~125k tokens/s instead of two at 67-80k each)
-    V=s8-allturns-v${VARIANT_VOCAB:-6144}
-    if [ "${VARIANT_VOCAB:-6144}" != 0 ]; then
+    V=s8-allturns-v$VARIANT_VOCAB
+    if [ "$VARIANT_VOCAB" != 0 ]; then
       mkdir -p runs/$V
       for s in model prepare extract verify; do [ -e runs/$V/$s ] || ln -s ../s8-allturns/$s runs/$V/$s; done
-      run8 vocab --set run.name=$V --set vocab.draft_vocab_size=${VARIANT_VOCAB:-6144} || exit 1
+      run8 vocab --set run.name=$V --set vocab.draft_vocab_size=$VARIANT_VOCAB || exit 1
     fi
     # SPEED=0 skips the speed runs below (session 10: measured in session 9), so less time is kept back
     KEEP=$([ "${SPEED:-1}" = 1 ] && echo 300 || echo 150)
@@ -232,7 +233,7 @@ case $PHASE in
     echo "[s8] tokens $TOK, epochs $EP (deadline in $(( DEADLINE - $(date +%s) )) s)"
     run8 train --set train.epochs=$EP > "$LOGS/s8-train-main.log" 2>&1 & p1=$!
     p2=
-    [ "${VARIANT_VOCAB:-6144}" = 0 ] || { run8 train --set run.name=$V --set vocab.draft_vocab_size=${VARIANT_VOCAB:-6144} \
+    [ "$VARIANT_VOCAB" = 0 ] || { run8 train --set run.name=$V --set vocab.draft_vocab_size=$VARIANT_VOCAB \
       --set train.epochs=$EP > "$LOGS/s8-train-variant.log" 2>&1 & p2=$!; }
     wait $p1 $p2
     grep -h "^\[s8\]" "$LOGS"/s8-train-*.log
@@ -257,7 +258,7 @@ case $PHASE in
     # (when it made answers the seed lacked), then the drafts once both have finished (slim, tars in 15-MB pieces),
     # or the newest epoch of each draft still training when the deadline is near; logs, manifests, speed always.
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
-    RUNS="s8-allturns $([ "${VARIANT_VOCAB:-6144}" = 0 ] || echo s8-allturns-v${VARIANT_VOCAB:-6144})"
+    RUNS="s8-allturns $([ "$VARIANT_VOCAB" = 0 ] || echo s8-allturns-v$VARIANT_VOCAB)"
     regen_due() { ls .cache/h200-send/regen.jsonl.gz.part.* >/dev/null 2>&1 && ! sent regen; }
     run_due() { [ -f runs/$1/train/manifest.json ] && ! sent final-$1; }
     late() { [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -gt $(( DEADLINE - 100 )) ] && ! sent late; }
