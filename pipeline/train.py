@@ -21,6 +21,7 @@ from pathlib import Path
 from .config import REPO_ROOT, Config
 from .extract import SPLITS, resolve_layer_ids
 from .hidden_states import META, file_name, header, truncation
+from .loops import mask_terminal_loops
 from .manifest import StepError, require_manifest
 
 
@@ -53,13 +54,20 @@ def speculators_args(cfg: Config, out: Path, aux_ids: list[int], vocab_dir: Path
     return args + list(cfg.train.extra_args)
 
 
-def build_data_dir(cfg: Config, data: Path) -> tuple[int, int]:
-    """Train rows then eval rows, with hidden-state links numbered to match. Returns (train, eval) sizes."""
+def build_data_dir(cfg: Config, data: Path) -> tuple[int, int, dict]:
+    """Train rows then eval rows, with hidden-state links numbered to match. Returns (train, eval) sizes and the
+    loss-token counts of the train rows (before and after train.mask_loops)."""
     from datasets import concatenate_datasets, load_from_disk
 
     parts = [load_from_disk(str(cfg.step_dir("prepare") / s)) for s in SPLITS]
     if cfg.train.max_samples:  # prepare's rows are in seeded random order: a prefix is a random subset
         parts[0] = parts[0].select(range(min(cfg.train.max_samples, len(parts[0]))))
+    loss = {"train_loss_tokens": int(sum(sum(m) for m in parts[0]["loss_mask"]))}
+    if cfg.train.mask_loops:
+        parts[0] = parts[0].map(lambda row: {"loss_mask": mask_terminal_loops(row["input_ids"], row["loss_mask"])[0]},
+                                features=parts[0].features, desc="masking terminal loops", keep_in_memory=True)
+        kept = int(sum(sum(m) for m in parts[0]["loss_mask"]))
+        loss.update(loop_masked_tokens=loss["train_loss_tokens"] - kept, train_loss_tokens=kept)
     hs = data / "hidden_states"
     hs.mkdir(parents=True, exist_ok=True)
     j = 0
@@ -77,7 +85,7 @@ def build_data_dir(cfg: Config, data: Path) -> tuple[int, int]:
         ds = concatenate_datasets(parts)
         ds.set_format("torch")  # speculators compares tensors; plain lists fail in its collate
         ds.save_to_disk(str(data))
-    return len(parts[0]), len(parts[1])
+    return len(parts[0]), len(parts[1]), loss
 
 
 def run(cfg: Config, out: Path) -> dict:
@@ -94,7 +102,10 @@ def run(cfg: Config, out: Path) -> dict:
     if ids[-1] != n:
         raise StepError(f"EAGLE-3 training needs the final pre-norm state (id {n}) as the last layer id; got {ids}")
     aux = ids[:-1]
-    n_train, n_eval = build_data_dir(cfg, out / "data")
+    n_train, n_eval, loss_tokens = build_data_dir(cfg, out / "data")
+    if cfg.train.mask_loops:
+        print(f"[train] mask_loops: {loss_tokens['loop_masked_tokens']:,} loss tokens in terminal loops taken out of "
+              f"the train rows, {loss_tokens['train_loss_tokens']:,} left")
     if n_eval == 0:
         raise StepError("the eval split is empty; raise data.max_conversations or data.eval_fraction")
     args = speculators_args(cfg, out, aux, vocab_dir)
@@ -122,6 +133,7 @@ def run(cfg: Config, out: Path) -> dict:
         "epochs": cfg.train.epochs,
         "train_samples": n_train,
         "val_samples": n_eval,
+        **loss_tokens,
         "eagle_aux_hidden_state_layer_ids": check["aux_ids"],
         "final_val": {k: round(v, 4) for k, v in (val[-1]["val"] if val else {}).items() if isinstance(v, (int, float))},
         "train_tokens_per_s": _throughput(rows),

@@ -17,34 +17,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pipeline.env import setup_env  # noqa: E402
+from pipeline.loops import repeat_flags, terminal_loop  # noqa: E402
 
 setup_env()  # caches inside the repo (transformers' import leaves a torchinductor folder in /tmp otherwise)
-
-
-def repeat_flags(ids: list[int], n: int = 8) -> list[bool]:
-    """For each token: does the n-gram ending at it occur earlier in ids?"""
-    seen, flags = set(), [False] * len(ids)
-    for i in range(len(ids) - n + 1):
-        g = tuple(ids[i:i + n])
-        flags[i + n - 1] = g in seen
-        seen.add(g)
-    return flags
 
 
 def repeated_share(ids: list[int]) -> tuple[int, int]:
     """(tokens whose ending 8-gram occurred earlier in ids, len(ids))."""
     return sum(repeat_flags(ids)), len(ids)
-
-
-def terminal_loop(ids: list[int], min_len: int = 32, dense: float = 0.9) -> int:
-    """Tokens in the answer's terminal loop: the longest tail (>= min_len tokens) of which >= dense repeat an
-    earlier 8-gram; 0 when there is none. What cutting each answer where its loop starts would remove."""
-    rep, best = 0, 0
-    for k, repeated in enumerate(reversed(repeat_flags(ids)), 1):  # tails of length k, from the end
-        rep += repeated
-        if k >= min_len and rep >= dense * k:
-            best = k
-    return best
 
 
 def share(pairs) -> str:

@@ -25,7 +25,12 @@
 #   `DEADLINE=<device date + budget left - 60> run.sh s8-launch` (carrying .gpu/smollm2.part.ab .gpu/smollm2.part.ac);
 #   then `DEADLINE=<the same> BUDGET=580 run.sh s8-wait` back to back until the chain is done (each call sends what
 #   is new). With the conversations carried, the chain skips the regeneration and trains the recipe's draft and a
-#   draft small enough to ship (VARIANT_VOCAB, default 6,144) side by side, then measures speed on the GPU.
+#   draft small enough to ship side by side, then measures speed on the GPU.
+# DRAFTS (s8-launch, s8-chain, s8-wait; the same value in each): the drafts trained beside the recipe's, on the same
+#   data, space-separated `name:key=value[,key=value...]` (--set flags; no commas inside a value). A draft whose
+#   flags touch vocab.* gets its own vocab step; the others share the recipe's. Default: one 6,144-token draft
+#   vocabulary (the shipped size); DRAFTS= (empty) trains the recipe's draft alone. Session 11:
+#   DRAFTS='s8-allturns-mask:train.mask_loops=true'. ALSO_EPOCH=N also sends every draft's epoch-N checkpoint.
 # Inputs (.gpu/, .whl/, ignored): see NOTES.md, "Drafter quality", which also has the commands and results.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -33,7 +38,11 @@ PHASE=$1
 BUDGET=${BUDGET:-560}          # seconds this phase may use (the device command limit is 600)
 CONFIG=${CONFIG:-configs/smollm2-quality-h200.toml}   # another config only for a dry run of a phase on CPU
 OUT=${OUT:-.cache/h200-out}    # the device tool's outbound folder (emptied before every call)
-VARIANT_VOCAB=${VARIANT_VOCAB:-6144}   # s8: the draft vocabulary of the drafter trained beside the recipe's (0: none)
+DRAFTS=${DRAFTS-s8-allturns-v6144:vocab.draft_vocab_size=6144}   # s8: the drafts trained beside the recipe's
+draft_names() { local d; for d in $DRAFTS; do echo -n "${d%%:*} "; done; }
+draft_sets() {  # --set flags of the draft named $1
+  local d kv; for d in $DRAFTS; do [ "${d%%:*}" = "$1" ] || continue
+    [[ $d == *:* ]] || return 0; IFS=, read -ra kv <<< "${d#*:}"; printf -- '--set %s ' "${kv[@]}"; done; }
 LOGS=.cache/h200-logs          # kept on the machine between back-to-back calls
 MAIN=smollm2-quality-h200
 DATA="data.path=data/packages/sharegpt-first-turns.jsonl.gz"
@@ -188,7 +197,7 @@ case $PHASE in
     stash; model_wheel || exit 1
     mkdir -p .cache/h200-send
     DEADLINE=$DEADLINE S8_SET=${S8_SET:-} SPEED=${SPEED:-1} EPOCHS=${EPOCHS:-8} RATE=${RATE:-70000} \
-      VARIANT_VOCAB=$VARIANT_VOCAB setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
+      DRAFTS=$DRAFTS setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
   s8-chain)
     S8=(--set run.name=s8-allturns --set data.regenerate=\"all_turns\")
@@ -216,26 +225,27 @@ case $PHASE in
     run8 verify || { run8 extract --redo-failed && run8 verify; } || exit 1
     run8 vocab || exit 1
     TOK=$(python3 -c "import json; m=json.load(open('runs/s8-allturns/prepare/manifest.json')); print(m['summary']['tokens'])" 2>/dev/null || echo 10000000)
-    # Two drafts train side by side: the recipe (2 layers, 16,384-token draft vocabulary: 36.3 MB shipped) and one
-    # that fits the 25-MB ship limit (VARIANT_VOCAB tokens; 6,144 -> ~24.6 MB). Session 8: one 2-layer run alone
-    # trained 125-143k tokens/s (1,102 steps of 8,192 tokens in ~65 s); two sharing the GPU are guessed at 70k each,
-    # 25 s per epoch for the eval split and the checkpoint, 300 s kept for the speed runs and sending back.
-    # VARIANT_VOCAB=0: the recipe's draft alone (one run trains ~125k tokens/s instead of two at 67-80k each)
-    V=s8-allturns-v$VARIANT_VOCAB
-    if [ "$VARIANT_VOCAB" != 0 ]; then
-      mkdir -p runs/$V
-      for s in model prepare extract verify; do [ -e runs/$V/$s ] || ln -s ../s8-allturns/$s runs/$V/$s; done
-      run8 vocab --set run.name=$V --set vocab.draft_vocab_size=$VARIANT_VOCAB || exit 1
-    fi
+    # The recipe's draft (2 layers, 16,384-token draft vocabulary: 36.3 MB shipped) and the DRAFTS beside it, side
+    # by side on the one GPU. Session 8: one 2-layer run alone trained 125-143k tokens/s; two side by side 98k each
+    # on ShareGPT (session 9), 67k/80k on the mix (session 10): RATE is the guess per draft the epoch fit uses,
+    # 25 s per epoch for the eval split and the checkpoint.
+    for d in $(draft_names); do
+      mkdir -p runs/$d
+      for s in model prepare extract verify vocab; do
+        [ $s = vocab ] && [[ "$(draft_sets $d)" == *vocab.* ]] && continue
+        [ -e runs/$d/$s ] || ln -s ../s8-allturns/$s runs/$d/$s
+      done
+      [ -e runs/$d/vocab ] || run8 vocab --set run.name=$d $(draft_sets $d) || exit 1
+    done
     # SPEED=0 skips the speed runs below (session 10: measured in session 9), so less time is kept back
     KEEP=$([ "${SPEED:-1}" = 1 ] && echo 300 || echo 150)
     EP=$(python3 -c "print(max(1, min(${EPOCHS:-8}, int(($DEADLINE - $(date +%s) - $KEEP) / ($TOK / ${RATE:-70000} + 25)))))")
-    echo "[s8] tokens $TOK, epochs $EP (deadline in $(( DEADLINE - $(date +%s) )) s)"
-    run8 train --set train.epochs=$EP > "$LOGS/s8-train-main.log" 2>&1 & p1=$!
-    p2=
-    [ "$VARIANT_VOCAB" = 0 ] || { run8 train --set run.name=$V --set vocab.draft_vocab_size=$VARIANT_VOCAB \
-      --set train.epochs=$EP > "$LOGS/s8-train-variant.log" 2>&1 & p2=$!; }
-    wait $p1 $p2
+    echo "[s8] tokens $TOK, epochs $EP (deadline in $(( DEADLINE - $(date +%s) )) s), drafts: s8-allturns $(draft_names)"
+    run8 train --set train.epochs=$EP > "$LOGS/s8-train-main.log" 2>&1 & pids=($!)
+    for d in $(draft_names); do
+      run8 train --set run.name=$d $(draft_sets $d) --set train.epochs=$EP > "$LOGS/s8-train-$d.log" 2>&1 & pids+=($!)
+    done
+    wait "${pids[@]}"
     grep -h "^\[s8\]" "$LOGS"/s8-train-*.log
     # Speed on this GPU (issue 15, item 3): the transformers evaluator at batch 1 and at batch 16 (16 MT-bench
     # prompts), tokens/s with and without the recipe's draft; then the cost model's parts at batch 1 and 16.
@@ -255,32 +265,41 @@ case $PHASE in
     echo "[s8] chain done $(date +%s)" ;;
   s8-wait)
     # Hold the machine up to BUDGET seconds; leave early once something new is queued. Sends the regeneration
-    # (when it made answers the seed lacked), then the drafts once both have finished (slim, tars in 15-MB pieces),
-    # or the newest epoch of each draft still training when the deadline is near; logs, manifests, speed always.
+    # (when it made answers the seed lacked), then each draft when it has finished (slim, tars in 15-MB pieces; as
+    # many as fit 60 MB per call: one 16k draft is 36 MB, so one per call), with ALSO_EPOCH its epoch-N checkpoint
+    # too, and the newest epoch of each draft still training when the deadline is near; logs, manifests, speed always.
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
-    RUNS="s8-allturns $([ "$VARIANT_VOCAB" = 0 ] || echo s8-allturns-v$VARIANT_VOCAB)"
+    RUNS="s8-allturns $(draft_names)"
     regen_due() { ls .cache/h200-send/regen.jsonl.gz.part.* >/dev/null 2>&1 && ! sent regen; }
-    run_due() { [ -f runs/$1/train/manifest.json ] && ! sent final-$1; }
-    late() { [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -gt $(( DEADLINE - 100 )) ] && ! sent late; }
-    all_due() { local r; for r in $RUNS; do sent final-$r || run_due $r || return 1; done; }  # both drafts at once
-    ready() { regen_due && return 0; all_due && return 0; late && return 0
-              grep -q -E "chain done|rc=[1-9]" "$LOGS/s8-chain.log"; }
+    late() { [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -gt $(( DEADLINE - 100 )) ]; }
+    due() {  # "tag name checkpoint" per draft due and not yet sent
+      local r ck
+      for r in $RUNS; do
+        ck=$(last_ckpt $r)
+        if [ -f runs/$r/train/manifest.json ]; then sent final-$r || echo "final-$r $r $ck"
+        elif late && [ -n "$ck" ]; then sent late-$r || echo "late-$r $r $ck"; fi
+        ck=runs/$r/train/checkpoints/${ALSO_EPOCH:-none}
+        if [ -n "${ALSO_EPOCH:-}" ] && [ -f $ck/model.safetensors ] && { [ -f runs/$r/train/manifest.json ] || late; }; then
+          sent e$ALSO_EPOCH-$r || echo "e$ALSO_EPOCH-$r $r-e$ALSO_EPOCH $ck"; fi
+      done; }
+    ready() { regen_due || [ -n "$(due)" ] || grep -q -E "chain done|rc=[1-9]" "$LOGS/s8-chain.log"; }
     while [ "$(left)" -gt 40 ] && ! ready; do sleep 5; done
     sleep 2
     grep -a -h -E "^\[s8\]|^\[prepare\] regenerating|done in|Error|error|Traceback" "$LOGS/s8-chain.log" "$LOGS"/s8-train-*.log \
       2>/dev/null | tail -40 | cut -c1-300
-    send_draft() {  # run, checkpoint, tag
-      rm -rf .cache/slim-$1; python3 -m pipeline.draft_transfer slim "$2" .cache/slim-$1 --max-mb 15 > /dev/null \
-        && tar cf - -C .cache slim-$1 | split -b 15000000 - "$OUT/$1.tar.part." && touch ".cache/h200-send/.sent-$3"
-      echo "[s8] sent $2"; }
     if regen_due; then
       cp .cache/h200-send/regen.jsonl.gz.part.* .cache/h200-send/prepare-manifest.json "$OUT/" && touch .cache/h200-send/.sent-regen
     else
-      for r in $RUNS; do run_due $r && send_draft $r "$(last_ckpt $r)" final-$r; done
-      if late; then   # the newest epoch of every draft still training (session 10 sent these by hand)
-        for r in $RUNS; do
-          sent final-$r || [ -z "$(last_ckpt $r)" ] || send_draft $r "$(last_ckpt $r)" late-$r; done
-        touch .cache/h200-send/.sent-late; fi
+      mb=0
+      while read -r tag name ck; do
+        [ -n "$tag" ] || continue
+        rm -rf .cache/slim-$name
+        python3 -m pipeline.draft_transfer slim "$ck" .cache/slim-$name --max-mb 15 > /dev/null || continue
+        size=$(du -sm .cache/slim-$name | cut -f1)
+        [ $(( mb + size )) -le 60 ] || { echo "[s8] $name waits for the next call ($size MB)"; continue; }
+        tar cf - -C .cache slim-$name | split -b 15000000 - "$OUT/$name.tar.part." && touch ".cache/h200-send/.sent-$tag" \
+          && mb=$(( mb + size )) && echo "[s8] sent $ck as $name"
+      done <<< "$(due)"
     fi
     tar czf "$OUT/s8-results.tgz" runs/s8-allturns*/*/manifest.json runs/s8-allturns*/train/metrics.jsonl \
       runs/s8-allturns*/vocab/vocab.json runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
