@@ -30,7 +30,8 @@
 #   data, space-separated `name:key=value[,key=value...]` (--set flags; no commas inside a value). A draft whose
 #   flags touch vocab.* gets its own vocab step; the others share the recipe's. Default: one 6,144-token draft
 #   vocabulary (the shipped size); DRAFTS= (empty) trains the recipe's draft alone. Session 11:
-#   DRAFTS='s8-allturns-mask:train.mask_loops=true'. ALSO_EPOCH=N also sends every draft's epoch-N checkpoint.
+#   DRAFTS='s8-allturns-mask:train.mask_loops=true s8-allturns-l3:train.num_layers=3'. ALSO_EPOCH=N (s8-wait) also
+#   sends the recipe's epoch-N checkpoint (0-based).
 # Inputs (.gpu/, .whl/, ignored): see NOTES.md, "Drafter quality", which also has the commands and results.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -268,6 +269,7 @@ case $PHASE in
     # (when it made answers the seed lacked), then each draft when it has finished (slim, tars in 15-MB pieces; as
     # many as fit 60 MB per call: one 16k draft is 36 MB, so one per call), with ALSO_EPOCH its epoch-N checkpoint
     # too, and the newest epoch of each draft still training when the deadline is near; logs, manifests, speed always.
+    mkdir -p .cache/h200-send
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
     RUNS="s8-allturns $(draft_names)"
     regen_due() { ls .cache/h200-send/regen.jsonl.gz.part.* >/dev/null 2>&1 && ! sent regen; }
@@ -278,8 +280,8 @@ case $PHASE in
         ck=$(last_ckpt $r)
         if [ -f runs/$r/train/manifest.json ]; then sent final-$r || echo "final-$r $r $ck"
         elif late && [ -n "$ck" ]; then sent late-$r || echo "late-$r $r $ck"; fi
-        ck=runs/$r/train/checkpoints/${ALSO_EPOCH:-none}
-        if [ -n "${ALSO_EPOCH:-}" ] && [ -f $ck/model.safetensors ] && { [ -f runs/$r/train/manifest.json ] || late; }; then
+        ck=runs/$r/train/checkpoints/${ALSO_EPOCH:-none}   # the recipe's draft only
+        if [ $r = s8-allturns ] && [ -f $ck/model.safetensors ] && { [ -f runs/$r/train/manifest.json ] || late; }; then
           sent e$ALSO_EPOCH-$r || echo "e$ALSO_EPOCH-$r $r-e$ALSO_EPOCH $ck"; fi
       done; }
     ready() { regen_due || [ -n "$(due)" ] || grep -q -E "chain done|rc=[1-9]" "$LOGS/s8-chain.log"; }
@@ -290,15 +292,18 @@ case $PHASE in
     if regen_due; then
       cp .cache/h200-send/regen.jsonl.gz.part.* .cache/h200-send/prepare-manifest.json "$OUT/" && touch .cache/h200-send/.sent-regen
     else
-      mb=0
+      bytes=0 files=0   # what this call sends: <= 60 MB and <= 7 files (the limit is 8 and 64 MiB; s8-results.tgz)
       while read -r tag name ck; do
         [ -n "$tag" ] || continue
         rm -rf .cache/slim-$name
-        python3 -m pipeline.draft_transfer slim "$ck" .cache/slim-$name --max-mb 15 > /dev/null || continue
-        size=$(du -sm .cache/slim-$name | cut -f1)
-        [ $(( mb + size )) -le 60 ] || { echo "[s8] $name waits for the next call ($size MB)"; continue; }
-        tar cf - -C .cache slim-$name | split -b 15000000 - "$OUT/$name.tar.part." && touch ".cache/h200-send/.sent-$tag" \
-          && mb=$(( mb + size )) && echo "[s8] sent $ck as $name"
+        python3 -m pipeline.draft_transfer slim "$ck" .cache/slim-$name --max-mb 15 > /dev/null < /dev/null || continue
+        tar cf .cache/slim-$name.tar -C .cache slim-$name
+        size=$(stat -c %s .cache/slim-$name.tar); pieces=$(( (size + 14999999) / 15000000 ))
+        if [ $(( bytes + size )) -le 60000000 ] && [ $(( files + pieces )) -le 7 ]; then
+          split -b 15000000 .cache/slim-$name.tar "$OUT/$name.tar.part." && touch ".cache/h200-send/.sent-$tag" \
+            && bytes=$(( bytes + size )) files=$(( files + pieces )) && echo "[s8] sent $ck as $name"
+        else echo "[s8] $name waits for the next call ($size bytes)"; fi
+        rm -f .cache/slim-$name.tar
       done <<< "$(due)"
     fi
     tar czf "$OUT/s8-results.tgz" runs/s8-allturns*/*/manifest.json runs/s8-allturns*/train/metrics.jsonl \
