@@ -47,7 +47,12 @@ def plot(rows: list[dict], axes: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     by_name = {r["name"]: r for r in rows}
-    fig, subplots = plt.subplots(1, len(axes), figsize=(3.1 * len(axes), 3.8), sharey=True)
+    cols = min(len(axes), 4)  # panels wrap at four per row
+    rows_n = -(-len(axes) // cols)
+    fig, grid = plt.subplots(rows_n, cols, figsize=(3.6 * cols, 3.8 * rows_n), sharey=True, squeeze=False)
+    subplots = list(grid.flat)
+    for ax in subplots[len(axes):]:
+        ax.axis("off")
     for ax, a in zip(subplots, axes):
         rs = [by_name[n] for n, _ in a["drafters"]]
         xs = range(len(rs))
@@ -59,7 +64,8 @@ def plot(rows: list[dict], axes: list[dict], path: Path) -> None:
         ax.axhline(2.7, color="red", lw=0.8, ls="--")
         ax.set_title(a["title"], fontsize=9)
         ax.set_ylim(1, 2.9)
-    subplots[0].set_ylabel("served AL (vLLM, K=3)")
+    for row in grid:
+        row[0].set_ylabel("served AL (vLLM, K=3)")
     subplots[0].legend(fontsize=7, loc="lower left")
     fig.suptitle("SmolLM2-135M-Instruct drafters: what moved served acceptance (red: the 2.7 target)", fontsize=10)
     fig.tight_layout()

