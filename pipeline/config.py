@@ -111,7 +111,7 @@ class TrainConfig:
     max_samples: int = 0  # 0: the whole train split; N: its first N samples (a seeded random subset; data-size ablations)
     # true: no loss on the tokens of each train answer's terminal loop (a tail of >= 32 tokens, >= 90 % of them
     # repeating an earlier 8-gram of the answer: pipeline/loops.py); they stay as context. The eval rows keep
-    # their mask, so val metrics compare with a run without it. Half the 135M target's answer tokens are such loops.
+    # their mask, so val metrics compare with a run without it. 40 % of the 135M target's answer tokens are such loops.
     mask_loops: bool = False
     extra_args: list[str] = field(default_factory=list)
     # Several training processes via torchrun (DDP through speculators; FSDP with extra_args
@@ -239,7 +239,7 @@ class Config:
         for section, key in _NOT_FINGERPRINTED:
             if section in blob:
                 blob[section].pop(key, None)
-        for (section, key), default in _FINGERPRINTED_UNLESS_DEFAULT.items():
+        for (section, key), default in FINGERPRINTED_UNLESS_DEFAULT.items():
             if section in blob and blob[section].get(key) == default:
                 blob[section].pop(key)
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
@@ -255,7 +255,7 @@ _NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_ba
                       ("train", "rdzv_id"))
 # Keys that change results only away from their default (the world size changes the global batch): left out of
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
-_FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
+FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
                                  ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): [],
                                  ("train", "mask_loops"): False}
 

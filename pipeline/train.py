@@ -56,7 +56,7 @@ def speculators_args(cfg: Config, out: Path, aux_ids: list[int], vocab_dir: Path
 
 def build_data_dir(cfg: Config, data: Path) -> tuple[int, int, dict]:
     """Train rows then eval rows, with hidden-state links numbered to match. Returns (train, eval) sizes and the
-    loss-token counts of the train rows (before and after train.mask_loops)."""
+    train rows' loss tokens: `train_loss_tokens` (after train.mask_loops), `loop_masked_tokens` (what it took out)."""
     from datasets import concatenate_datasets, load_from_disk
 
     parts = [load_from_disk(str(cfg.step_dir("prepare") / s)) for s in SPLITS]

@@ -26,6 +26,16 @@ def test_terminal_loop_is_masked_and_nothing_else():
     assert terminal_loop(intro + cycle * 8 + list(range(400, 440))) == 0
 
 
+def test_mask_loops_is_in_the_fingerprint_only_when_on(repo):
+    """Runs from before the key keep their train fingerprint (the hash below is the one the code before
+    train.mask_loops gave configs/smollm2-quality.toml); turning it on makes a new one (the train folder is rebuilt)."""
+    from pipeline.config import load_config
+
+    path = repo / "configs" / "smollm2-quality.toml"
+    assert load_config(path).section_hash("train") == "a0fc4f962504690b"
+    assert load_config(path, {"train.mask_loops": True}).section_hash("train") != "a0fc4f962504690b"
+
+
 def test_mask_loops_changes_only_the_train_rows(data_run, runs_dir):
     """Through the train step's data folder on a real prepared run: train rows lose exactly their terminal
     loops, eval rows (the val metrics) keep their mask, the token ids and the column types stay."""
@@ -66,3 +76,14 @@ def test_mask_loops_changes_only_the_train_rows(data_run, runs_dir):
     before = sum(map(sum, list(train["loss_mask"])))
     assert loss["loop_masked_tokens"] >= span[1] - span[0] - 12  # all but the cycle's first 12 tokens
     assert loss["train_loss_tokens"] + loss["loop_masked_tokens"] == before
+
+
+def test_compare_reads_a_key_at_its_default_as_absent():
+    """A run made before train.mask_loops existed and one made after it with the key off compute the same thing:
+    `compare` must not report their config as different (it does for the key turned on)."""
+    from pipeline.compare import _what_it_computes
+
+    old = {"config_sections": {"run": {"name": "a", "seed": 0}, "train": {"epochs": 4}}}
+    new = {"config_sections": {"run": {"name": "b", "seed": 0}, "train": {"epochs": 4, "mask_loops": False}}}
+    on = {"config_sections": {"run": {"name": "c", "seed": 0}, "train": {"epochs": 4, "mask_loops": True}}}
+    assert _what_it_computes(old) == _what_it_computes(new) != _what_it_computes(on)

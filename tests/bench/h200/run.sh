@@ -30,7 +30,8 @@
 #   data, space-separated `name:key=value[,key=value...]` (--set flags; no commas inside a value). A draft whose
 #   flags touch vocab.* gets its own vocab step; the others share the recipe's. Default: one 6,144-token draft
 #   vocabulary (the shipped size); DRAFTS= (empty) trains the recipe's draft alone. Session 11:
-#   DRAFTS='s8-allturns-mask:train.mask_loops=true s8-allturns-l3:train.num_layers=3'. ALSO_EPOCH=N (s8-wait) also
+#   DRAFTS='s8-allturns-mask:train.mask_loops=true' (it ran with a 3-layer draft beside it too, which the chain now
+#   refuses: see below). Only train.* and vocab.* keys (the data steps are shared). ALSO_EPOCH=N (s8-wait) also
 #   sends the recipe's epoch-N checkpoint (0-based). S8_EXTRA='key=value ...': --set flags for every step and draft
 #   of the chain. Never more than two drafts side by side: three took 277 s an epoch where two take ~115 s (session
 #   11: the 16 cores, not the GPU, run out; speculators' profile step_ms does not show it).
@@ -45,7 +46,8 @@ DRAFTS=${DRAFTS-s8-allturns-v6144:vocab.draft_vocab_size=6144}   # s8: the draft
 draft_names() { local d; for d in $DRAFTS; do echo -n "${d%%:*} "; done; }
 draft_sets() {  # --set flags of the draft named $1
   local d kv; for d in $DRAFTS; do [ "${d%%:*}" = "$1" ] || continue
-    [[ $d == *:* ]] || return 0; IFS=, read -ra kv <<< "${d#*:}"; printf -- '--set %s ' "${kv[@]}"; done; }
+    [[ $d == *:* ]] || return 0; IFS=, read -ra kv <<< "${d#*:}"; [ ${#kv[@]} -gt 0 ] && printf -- '--set %s ' "${kv[@]}"
+  done; return 0; }
 LOGS=.cache/h200-logs          # kept on the machine between back-to-back calls
 MAIN=smollm2-quality-h200
 DATA="data.path=data/packages/sharegpt-first-turns.jsonl.gz"
@@ -233,13 +235,17 @@ case $PHASE in
     # by side on the one GPU. Session 8: one 2-layer run alone trained 125-143k tokens/s; two side by side 98k each
     # on ShareGPT (session 9), 67k/80k on the mix (session 10): RATE is the guess per draft the epoch fit uses,
     # 25 s per epoch for the eval split and the checkpoint.
+    [ "$(draft_names | wc -w)" -le 1 ] || { echo "[s8] DRAFTS: at most one beside the recipe's (three side by side took 277 s an epoch, two ~115 s: session 11)"; exit 1; }
     for d in $(draft_names); do
+      for kv in $(draft_sets $d); do   # the draft shares the recipe's data steps: only its training and vocabulary may differ
+        [ "$kv" = --set ] || [[ $kv == train.* || $kv == vocab.* ]] || { echo "[s8] DRAFTS: $d sets $kv; only train.* and vocab.* keys"; exit 1; }
+      done
       mkdir -p runs/$d
       for s in model prepare extract verify vocab; do
-        [ $s = vocab ] && [[ "$(draft_sets $d)" == *vocab.* ]] && continue
+        [ $s = vocab ] && [[ "$(draft_sets $d)" == *vocab.* ]] && { [ -L runs/$d/vocab ] && rm runs/$d/vocab; continue; }
         [ -e runs/$d/$s ] || ln -s ../s8-allturns/$s runs/$d/$s
       done
-      [ -e runs/$d/vocab ] || run8 vocab --set run.name=$d $(draft_sets $d) || exit 1
+      [ -L runs/$d/vocab ] || run8 vocab --set run.name=$d $(draft_sets $d) || exit 1   # a complete one is skipped
     done
     # SPEED=0 skips the speed runs below (session 10: measured in session 9), so less time is kept back
     KEEP=$([ "${SPEED:-1}" = 1 ] && echo 300 || echo 150)
@@ -284,7 +290,8 @@ case $PHASE in
         if [ -f runs/$r/train/manifest.json ]; then sent final-$r || echo "final-$r $r $ck"
         elif late && [ -n "$ck" ]; then sent late-$r || echo "late-$r $r $ck"; fi
         ck=runs/$r/train/checkpoints/${ALSO_EPOCH:-none}   # the recipe's draft only
-        if [ $r = s8-allturns ] && [ -f $ck/model.safetensors ] && { [ -f runs/$r/train/manifest.json ] || late; }; then
+        if [ $r = s8-allturns ] && [ -f $ck/model.safetensors ] && [ "$ck" != "$(last_ckpt $r)" ] \
+           && { [ -f runs/$r/train/manifest.json ] || late; }; then
           sent e$ALSO_EPOCH-$r || echo "e$ALSO_EPOCH-$r $r-e$ALSO_EPOCH $ck"; fi
       done; }
     ready() { regen_due || [ -n "$(due)" ] || grep -q -E "chain done|rc=[1-9]" "$LOGS/s8-chain.log"; }
@@ -309,8 +316,8 @@ case $PHASE in
         rm -f .cache/slim-$name.tar
       done <<< "$(due)"
     fi
-    tar czf "$OUT/s8-results.tgz" runs/s8-allturns*/*/manifest.json runs/s8-allturns*/train/metrics.jsonl \
-      runs/s8-allturns*/vocab/vocab.json runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
+    tar czf "$OUT/s8-results.tgz" $(for r in $RUNS; do echo runs/$r/*/manifest.json runs/$r/train/metrics.jsonl \
+      runs/$r/vocab/vocab.json; done) runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
       .cache/h200-send/speed "$LOGS" 2>/dev/null
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; ls -la "$OUT" ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
