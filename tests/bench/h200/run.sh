@@ -44,6 +44,14 @@ CONFIG=${CONFIG:-configs/smollm2-quality-h200.toml}   # another config only for 
 OUT=${OUT:-.cache/h200-out}    # the device tool's outbound folder (emptied before every call)
 DRAFTS=${DRAFTS-s8-allturns-v6144:vocab.draft_vocab_size=6144}   # s8: the drafts trained beside the recipe's
 draft_names() { local d; for d in $DRAFTS; do echo -n "${d%%:*} "; done; }
+check_drafts() {  # refused before anything runs: more than one draft beside the recipe's, or a key it cannot change
+  local d kv
+  [ "$(draft_names | wc -w)" -le 1 ] || { echo "[s8] DRAFTS: at most one beside the recipe's (three side by side took 277 s an epoch, two ~115 s: session 11)"; return 1; }
+  for d in $(draft_names); do
+    for kv in $(draft_sets $d); do   # the draft shares the recipe's data steps: only its training and vocabulary may differ
+      [ "$kv" = --set ] || [[ $kv == train.* || $kv == vocab.* ]] || { echo "[s8] DRAFTS: $d sets $kv; only train.* and vocab.* keys"; return 1; }
+    done
+  done; }
 draft_sets() {  # --set flags of the draft named $1
   local d kv; for d in $DRAFTS; do [ "${d%%:*}" = "$1" ] || continue
     [[ $d == *:* ]] || return 0; IFS=, read -ra kv <<< "${d#*:}"; [ ${#kv[@]} -gt 0 ] && printf -- '--set %s ' "${kv[@]}"
@@ -199,6 +207,7 @@ case $PHASE in
     # chain (setsid), so nothing depends on the next call coming within the machine's 30-s warm window; what it
     # makes is queued in .cache/h200-send and each `s8-wait` call sends what is new. DEADLINE (epoch seconds) is
     # when the device time runs out: the epoch count is fitted to it after prepare (see s8-chain).
+    check_drafts || exit 1
     stash; model_wheel || exit 1
     mkdir -p .cache/h200-send
     DEADLINE=$DEADLINE S8_SET=${S8_SET:-} S8_EXTRA=${S8_EXTRA:-} SPEED=${SPEED:-1} EPOCHS=${EPOCHS:-8} RATE=${RATE:-70000} \
@@ -209,7 +218,8 @@ case $PHASE in
     for kv in ${S8_EXTRA:-}; do S8+=(--set "$kv"); done   # e.g. S8_EXTRA='train.mask_loops=true': every draft
     # the data: one file, or S8_SET='data.sources=["data/packages/sharegpt-user-turns.jsonl.gz","data/prompts/pypi-prompts.jsonl.gz"]'
     AT=${S8_SET:-"data.path=${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}"}
-    SEND=.cache/h200-send
+    check_drafts || exit 1
+    SEND=.cache/h200-send; mkdir -p $SEND
     run8() { local s=$1; shift; echo "[s8] $s start $(date +%s)"
              python3 -m pipeline "$s" --config $CONFIG --set "$AT" "${S8[@]}" "$@" 2>&1 \
                | grep -v -E "it/s\]|s/it\]|examples/s\]|tok/s\]|file/s\]|prompt/s\]"; local rc=${PIPESTATUS[0]}
@@ -235,11 +245,7 @@ case $PHASE in
     # by side on the one GPU. Session 8: one 2-layer run alone trained 125-143k tokens/s; two side by side 98k each
     # on ShareGPT (session 9), 67k/80k on the mix (session 10): RATE is the guess per draft the epoch fit uses,
     # 25 s per epoch for the eval split and the checkpoint.
-    [ "$(draft_names | wc -w)" -le 1 ] || { echo "[s8] DRAFTS: at most one beside the recipe's (three side by side took 277 s an epoch, two ~115 s: session 11)"; exit 1; }
     for d in $(draft_names); do
-      for kv in $(draft_sets $d); do   # the draft shares the recipe's data steps: only its training and vocabulary may differ
-        [ "$kv" = --set ] || [[ $kv == train.* || $kv == vocab.* ]] || { echo "[s8] DRAFTS: $d sets $kv; only train.* and vocab.* keys"; exit 1; }
-      done
       mkdir -p runs/$d
       for s in model prepare extract verify vocab; do
         [ $s = vocab ] && [[ "$(draft_sets $d)" == *vocab.* ]] && { [ -L runs/$d/vocab ] && rm runs/$d/vocab; continue; }
