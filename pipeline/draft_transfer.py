@@ -10,10 +10,15 @@ limited in size: only what cannot be rebuilt from the target travels.
   python -m pipeline.draft_transfer restore SLIM_DIR TARGET_MODEL_DIR OUT_CKPT_DIR
   python -m pipeline.draft_transfer ship CKPT_OR_SLIM_DIR OUT_DIR
   python -m pipeline.draft_transfer prune SHIPPED_DIR KEEP_DRAFT_DIR OUT_DIR
+  python -m pipeline.draft_transfer widen CKPT_OR_SLIM_DIR TARGET_MODEL_DIR OUT_DIR
 
 `ship` writes the form a drafter is kept and served in: config.json + one model.safetensors without the
 embedding. vLLM (0.32's Eagle3LlamaForCausalLM.load_weights) and the transformers evaluator both take the
 target's embedding when a draft has none, so this form needs no restore step to be served.
+
+`widen` writes the same form over the target's whole vocabulary, without the lm_head: speculators (0.9) never
+trains a draft's lm_head (it is the target's output embedding, rows of the draft vocabulary, frozen), so a draft
+can propose every target token through the target's own lm_head, which vLLM then shares with it.
 """
 from __future__ import annotations
 
@@ -107,10 +112,9 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
     return out
 
 
-def ship(src: Path, out: Path) -> Path:
-    """A full checkpoint (model.safetensors), a slim folder (slim.json) or a drafter already in this form ->
-    OUT/config.json + model.safetensors without the embedding, split tensors joined again."""
-    from safetensors.torch import load_file, save_file
+def _served_weights(src: Path) -> dict:
+    """A full checkpoint's, a slim folder's or a served-form drafter's weights, without the embedding."""
+    from safetensors.torch import load_file
 
     if (src / "slim.json").exists():
         weights = _read_slim(src)[1]
@@ -120,8 +124,72 @@ def ship(src: Path, out: Path) -> Path:
             weights.pop(_embed_key(weights))
     if any(k.endswith(EMBED) for k in weights):
         raise ValueError(f"{src}: still holds an embedding after removing it")
+    return weights
+
+
+def ship(src: Path, out: Path) -> Path:
+    """A full checkpoint (model.safetensors), a slim folder (slim.json) or a drafter already in this form ->
+    OUT/config.json + model.safetensors without the embedding, split tensors joined again."""
+    from safetensors.torch import save_file
+
+    weights = _served_weights(src)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(src / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def target_output_embedding(target: Path):
+    """The target's lm_head weight (its input embedding where the two are tied, as in SmolLM2)."""
+    from safetensors import safe_open
+
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            keys = list(st.keys())
+            head = [k for k in keys if k.endswith("lm_head.weight")]
+            if head:
+                return st.get_tensor(head[0])
+    conf = json.loads((target / "config.json").read_text())
+    if not conf.get("tie_word_embeddings", conf.get("text_config", {}).get("tie_word_embeddings", False)):
+        raise ValueError(f"{target}: no lm_head.weight in its safetensors and tie_word_embeddings is not set")
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            found = [k for k in st.keys() if k.endswith(EMBED) and "vision" not in k]
+            if found:
+                return st.get_tensor(found[0])
+    raise ValueError(f"{target}: neither lm_head.weight nor *{EMBED} in its safetensors")
+
+
+def widen(src: Path, target: Path, out: Path) -> Path:
+    """A drafter (checkpoint, slim folder or served form) whose lm_head is the target's output embedding at its
+    draft vocabulary -> the served form over the target's whole vocabulary: no lm_head, d2t or t2d, and
+    draft_vocab_size = the target's vocab size. vLLM (0.32: Eagle3LlamaForCausalLM.load_weights, then
+    llm_base_proposer._maybe_share_lm_head) serves a draft without an lm_head with the target's, and so does the
+    transformers evaluator. The draft's logits on its old vocabulary are unchanged; it can now also propose the
+    tokens outside it (a 6,144-token vocabulary covers 89 % of MT-bench's greedy output tokens, 16,384 96 %:
+    tests/bench/vocab_coverage.py). Refused when the lm_head differs from the target's rows: a trained head
+    would be lost."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = _served_weights(src)
+    head = target_output_embedding(target)
+    conf = json.loads((src / "config.json").read_text())
+    t2d = weights.pop("t2d", None)
+    weights.pop("d2t", None)
+    ids = t2d.nonzero().squeeze(1) if t2d is not None else torch.arange(head.shape[0])
+    lm_head = weights.pop("lm_head.weight", None)
+    if lm_head is None:
+        raise ValueError(f"{src}: has no lm_head.weight (already widened?)")
+    if t2d is not None and len(t2d) != head.shape[0]:
+        raise ValueError(f"{src}: its t2d covers {len(t2d)} target tokens, {target} has {head.shape[0]}: another target")
+    if lm_head.shape != (len(ids), head.shape[1]) or not torch.equal(lm_head, head[ids].to(lm_head.dtype)):
+        raise ValueError(f"{src}: its lm_head is not {target}'s output embedding at its draft vocabulary (it was "
+                         f"trained, or the draft belongs to another target); widening would change what it proposes: "
+                         f"ship it as it is (python -m pipeline.draft_transfer ship)")
+    conf["draft_vocab_size"] = head.shape[0]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
     return out
 
@@ -165,5 +233,7 @@ if __name__ == "__main__":
         print(ship(Path(args[0]), Path(args[1])))
     elif cmd == "prune":
         print(prune(Path(args[0]), Path(args[1]), Path(args[2])))
+    elif cmd == "widen":
+        print(widen(Path(args[0]), Path(args[1]), Path(args[2])))
     else:
         sys.exit(__doc__)

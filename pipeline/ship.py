@@ -1,11 +1,12 @@
 """Ship a drafter: its serving form and a results file in one folder, replacing what is there only when the new
 drafter is better.
 
-    python -m pipeline.ship --config configs/smollm2-quality.toml --run RUN_DIR DRAFT [--out DIR] [--max-mb 25] [--force]
+    python -m pipeline.ship --config configs/smollm2-quality.toml --run RUN_DIR DRAFT [--widen] [--out DIR] [--max-mb 25] [--force]
 
 DRAFT is a speculators checkpoint or a slim folder (`pipeline.draft_transfer slim`); RUN_DIR the run that trained
 it (its step manifests say how: data, vocabulary, training). The drafter is written in the form vLLM serves as
-it is (`draft_transfer ship`: no frozen embedding), then evaluated in that form by this repository's evaluator
+it is (`draft_transfer ship`: no frozen embedding; with --widen, `draft_transfer widen`: no lm_head either, the
+draft proposing over the target's whole vocabulary through the target's lm_head), then evaluated in that form by this repository's evaluator
 (the config's [eval]: vLLM counters, greedy) on MT-bench first turns and on the held-out first turns of the
 config's data, so the results file describes exactly the bytes beside it. The folder (default
 data/drafters/<target folder name, lower case>) is replaced only when the new MT-bench acceptance length is
@@ -120,7 +121,7 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
 
 
 def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float = 25.0, force: bool = False,
-                 command: str = "") -> int:
+                 command: str = "", widen: bool = False) -> int:
     if not (cfg.model_path / "config.json").exists():
         raise StepError(f"the target {cfg.model_path} is missing; run `make model CONFIG={_rel(cfg.source_path)}` first")
     made = recipe(run)
@@ -128,11 +129,19 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
     staged = out.with_name(out.name + ".new")
     shutil.rmtree(staged, ignore_errors=True)
     serving_form(draft, staged, cfg)
+    if widen:
+        from .draft_transfer import widen as widen_vocab
+
+        try:
+            widen_vocab(staged, cfg.model_path, staged)
+        except ValueError as e:
+            shutil.rmtree(staged)
+            raise StepError(str(e)) from None
     size = (staged / "model.safetensors").stat().st_size
     if size > max_mb * 1e6:
         shutil.rmtree(staged)
         raise StepError(f"{draft}: {size / 1e6:.1f} MB in serving form, over the {max_mb:g}-MB limit for a shipped "
-                        f"drafter (a smaller vocab.draft_vocab_size shrinks its lm_head)")
+                        f"drafter (--widen drops the lm_head where it is the target's; a smaller vocab.draft_vocab_size shrinks it)")
     work = REPO_ROOT / ".cache" / "ship" / out.name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -146,6 +155,10 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
         "files": {f: {"bytes": (staged / f).stat().st_size, "sha256": sha256_file(staged / f)}
                   for f in ("config.json", "model.safetensors")},
         "recipe": made, "epochs": made["train"]["epochs"],
+        "served_vocab": ({"draft_vocab_size": json.loads((staged / "config.json").read_text())["draft_vocab_size"],
+                          "lm_head": "the target's (not in the file: vLLM shares it)",
+                          "how": "pipeline.draft_transfer widen: trained with the recipe's vocab, served over all "
+                                 "target tokens"} if widen else None),
         "eval": evals, "eval_config": _rel(cfg.source_path),
         "shipped_from": git_commit(),
         "reproduce": {
@@ -200,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="default: data/drafters/<target>")
     ap.add_argument("--max-mb", type=float, default=25.0)
     ap.add_argument("--force", action="store_true", help="replace the shipped drafter even if not better")
+    ap.add_argument("--widen", action="store_true", help="serve over the target's whole vocabulary, without an "
+                    "lm_head (draft_transfer widen)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     ap.add_argument("draft", type=Path, help="checkpoint or slim folder")
     a = ap.parse_args(argv)
@@ -207,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(a.config, parse_set(a.set))
     try:
         command = shlex.join(["python", "-m", "pipeline.ship", *(sys.argv[1:] if argv is None else argv)])
-        return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force, command)
+        return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force, command, a.widen)
     except StepError as e:
         print(f"[ship] error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,12 @@ def test_shipped_files_are_what_the_results_file_says():
     assert not [k for k in safetensors_keys(SHIPPED / "model.safetensors") if "embed_tokens" in k]
     config = json.loads((SHIPPED / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == "data/models/SmolLM2-135M-Instruct"
-    assert config["draft_vocab_size"] == r["recipe"]["vocab"]["draft_vocab_size"]
+    keys = safetensors_keys(SHIPPED / "model.safetensors")
+    if r.get("served_vocab"):  # widened (draft_transfer widen): the target's lm_head serves it, over every token
+        assert config["draft_vocab_size"] == r["served_vocab"]["draft_vocab_size"] == r["recipe"]["vocab"]["target_vocab_size"]
+        assert not {"lm_head.weight", "d2t", "t2d"} & set(keys), keys
+    else:
+        assert config["draft_vocab_size"] == r["recipe"]["vocab"]["draft_vocab_size"]
     assert config["eagle_aux_hidden_state_layer_ids"] == r["recipe"]["train"]["eagle_aux_hidden_state_layer_ids"]
     for workload in ("mtbench", "heldout"):
         e = r["eval"][workload]
@@ -63,6 +68,48 @@ def test_vllm_serves_the_shipped_drafter(smollm2, runs_dir, work):
     with open(copy / "config.json", "a") as f:
         f.write("\n")
     assert fingerprint(load_config(cfg.source_path, {"run.runs_dir": str(runs_dir), "eval.draft": str(copy)}), "eval") != fp
+
+
+def _draft_with_target_rows(smollm2, folder, ids):
+    """A served-form drafter whose lm_head is the target's output embedding at `ids` (speculators 0.9 never
+    trains it), with one other weight and the vocab maps."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.draft_transfer import target_output_embedding
+
+    head = target_output_embedding(smollm2)
+    ids = torch.tensor(sorted(ids))
+    t2d = torch.zeros(head.shape[0], dtype=torch.bool)
+    t2d[ids] = True
+    w = {"lm_head.weight": head[ids].clone(), "d2t": ids - torch.arange(len(ids)), "t2d": t2d,
+         "fc.weight": torch.randn(8, 24).to(torch.bfloat16)}
+    folder.mkdir(parents=True)
+    save_file(w, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"draft_vocab_size": len(ids), "architectures": ["Eagle3DraftModel"]}))
+    return w
+
+
+def test_widen_serves_a_draft_over_the_whole_vocabulary_and_refuses_a_trained_head(smollm2, work):
+    """draft_transfer.widen drops the lm_head and the vocab maps and nothing else, and says the draft vocabulary
+    is the target's; a head that is not the target's rows (trained, or another target's) is refused by name."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.draft_transfer import widen
+
+    w = _draft_with_target_rows(smollm2, work / "d", [5, 17, 300, 49151])
+    out = widen(work / "d", smollm2, work / "wide")
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == {"fc.weight"} and torch.equal(got["fc.weight"], w["fc.weight"])
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 49152
+    with pytest.raises(ValueError, match="already widened"):
+        widen(out, smollm2, work / "again")
+    w["lm_head.weight"][2, 0] += 1  # one trained value
+    save_file(w, str(work / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"/d: its lm_head is not"):
+        widen(work / "d", smollm2, work / "refused")
+    assert not (work / "refused").exists()
 
 
 def test_a_missing_drafter_folder_is_named(runs_dir):
