@@ -237,7 +237,8 @@ def last_epoch(ckpts: Path) -> Path:
 
 
 def check_draft_checkpoint(path: Path, aux_ids: list[int], draft_vocab: int, vocab_dir: Path | None = None) -> dict:
-    """The exported draft carries the vocab maps and the extraction's aux layer ids."""
+    """The exported draft carries the vocab maps (unless its vocabulary is the target's whole one) and the
+    extraction's aux layer ids."""
     import numpy as np
     from safetensors import safe_open
 
@@ -251,8 +252,11 @@ def check_draft_checkpoint(path: Path, aux_ids: list[int], draft_vocab: int, voc
             f"{cfg_path}: eagle_aux_hidden_state_layer_ids = {got}, but the hidden states were extracted at {aux_ids}; "
             f"vLLM would feed the draft other layers than it was trained on"
         )
+    full = draft_vocab == conf.get("transformer_layer_config", {}).get("vocab_size")
     with safe_open(str(weights), "np") as f:
         keys = set(f.keys())
+        if full and "d2t" not in keys:  # a draft over the whole target vocabulary needs no maps (speculators drops them)
+            return {"aux_ids": got}
         if not {"d2t", "t2d"} <= keys:
             raise StepError(
                 f"{weights} has no vocab maps (d2t/t2d); vLLM would map draft ids to the first {draft_vocab} target ids "

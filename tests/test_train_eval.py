@@ -140,6 +140,14 @@ def test_checkpoint_without_vocab_maps_is_refused(trained_run, runs_dir):
     save_file({k: v for k, v in weights.items() if k not in ("d2t", "t2d")}, str(bad / "model.safetensors"))
     with pytest.raises(StepError, match="no vocab maps"):
         check_draft_checkpoint(bad, LAYER_IDS[:-1], 2048)
+    # a draft over the target's whole vocabulary has no maps (speculators keeps none): accepted only at that size
+    conf = json.loads((bad / "config.json").read_text())
+    target_vocab = conf["transformer_layer_config"]["vocab_size"]
+    conf["draft_vocab_size"] = target_vocab
+    (bad / "config.json").write_text(json.dumps(conf))
+    check_draft_checkpoint(bad, LAYER_IDS[:-1], target_vocab)
+    with pytest.raises(StepError, match="no vocab maps"):
+        check_draft_checkpoint(bad, LAYER_IDS[:-1], target_vocab - 1)
 
 
 def test_eval_on_a_missing_checkpoint_is_a_clear_error(trained_run, runs_dir):

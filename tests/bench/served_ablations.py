@@ -27,9 +27,10 @@ def table(rows: list[dict]) -> str:
         if r.get("heldout_other"):  # measured on other held-out prompts: shown, never plotted beside the rest
             held = f"({r['heldout_other']['al']:.3f} on {r['heldout_other']['prompts']})"
         tokens = f"{r['tokens'] / 1e6:.2f}M" if r.get("tokens") else "-"
+        served = f" (served {r['served_vocab']:,})" if r.get("served_vocab") else ""
         data = f"{r['answers']}, {r['turns']}" + (f", {r['sources']}" if r.get("sources") else "")
         out.append(f"| {r['name']} | {data} | {r['train_samples']:,} | {tokens} "
-                   f"| {r['layers']} | {r['vocab']:,} | {r['epochs']} | {r['mtbench_al']:.3f} | {pos} | {held} "
+                   f"| {r['layers']} | {r['vocab']:,}{served} | {r['epochs']} | {r['mtbench_al']:.3f} | {pos} | {held} "
                    f"| {r['identical']} | {r['session']} |")
     return "\n".join(out)
 

@@ -27,7 +27,8 @@
 #   is new). With the conversations carried, the chain skips the regeneration and trains the recipe's draft and a
 #   draft small enough to ship side by side, then measures speed on the GPU.
 # DRAFTS (s8-launch, s8-chain, s8-wait; the same value in each): the drafts trained beside the recipe's, on the same
-#   data, space-separated `name:key=value[,key=value...]` (--set flags; no commas inside a value). A draft whose
+#   data, space-separated `name:key=value[,key=value...]` (--set flags; no commas inside a value). A draft over the
+#   target's whole vocabulary (vocab.draft_vocab_size=49152) is sent widened (draft_transfer widen: no lm_head). A draft whose
 #   flags touch vocab.* gets its own vocab step; the others share the recipe's. Default: one 6,144-token draft
 #   vocabulary (the shipped size); DRAFTS= (empty) trains the recipe's draft alone. Session 11:
 #   DRAFTS='s8-allturns-mask:train.mask_loops=true' (it ran with a 3-layer draft beside it too, which the chain now
@@ -314,7 +315,10 @@ case $PHASE in
       while read -r tag name ck; do
         [ -n "$tag" ] || continue
         rm -rf .cache/slim-$name
-        python3 -m pipeline.draft_transfer slim "$ck" .cache/slim-$name --max-mb 15 > /dev/null < /dev/null || continue
+        if python3 -c "import json,sys; c=json.load(open('$ck/config.json')); sys.exit(c['draft_vocab_size'] != c['transformer_layer_config']['vocab_size'])"; then
+          # a draft over the whole vocabulary: its 57-MB lm_head is the target's, so it travels widened (17 MB, served as it is)
+          python3 -m pipeline.draft_transfer widen "$ck" data/models/SmolLM2-135M-Instruct .cache/slim-$name > /dev/null < /dev/null || continue
+        else python3 -m pipeline.draft_transfer slim "$ck" .cache/slim-$name --max-mb 15 > /dev/null < /dev/null || continue; fi
         tar cf .cache/slim-$name.tar -C .cache slim-$name
         size=$(stat -c %s .cache/slim-$name.tar); pieces=$(( (size + 14999999) / 15000000 ))
         if [ $(( bytes + size )) -le 60000000 ] && [ $(( files + pieces )) -le 7 ]; then
