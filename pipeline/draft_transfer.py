@@ -140,57 +140,73 @@ def ship(src: Path, out: Path) -> Path:
 
 
 def target_output_embedding(target: Path):
-    """The target's lm_head weight (its input embedding where the two are tied, as in SmolLM2)."""
+    """The target's lm_head weight, or its input embedding where it has none (tied, as in SmolLM2: speculators
+    takes the same fallback when it copies the head into a draft)."""
     from safetensors import safe_open
 
-    for f in sorted(target.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            keys = list(st.keys())
-            head = [k for k in keys if k.endswith("lm_head.weight")]
-            if head:
-                return st.get_tensor(head[0])
-    conf = json.loads((target / "config.json").read_text())
-    if not conf.get("tie_word_embeddings", conf.get("text_config", {}).get("tie_word_embeddings", False)):
-        raise ValueError(f"{target}: no lm_head.weight in its safetensors and tie_word_embeddings is not set")
-    for f in sorted(target.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            found = [k for k in st.keys() if k.endswith(EMBED) and "vision" not in k]
-            if found:
-                return st.get_tensor(found[0])
+    for suffix in ("lm_head.weight", EMBED):
+        for f in sorted(target.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                found = [k for k in st.keys() if k.endswith(suffix) and "vision" not in k]
+                if found:
+                    return st.get_tensor(found[0])
     raise ValueError(f"{target}: neither lm_head.weight nor *{EMBED} in its safetensors")
 
 
-def widen(src: Path, target: Path, out: Path) -> Path:
+def target_vocab_size(target: Path) -> int:
+    conf = json.loads((target / "config.json").read_text())
+    return int(conf.get("text_config", conf)["vocab_size"])
+
+
+def widen(src: Path, target: Path, out: Path, name: str | None = None) -> Path:
     """A drafter (checkpoint, slim folder or served form) whose lm_head is the target's output embedding at its
     draft vocabulary -> the served form over the target's whole vocabulary: no lm_head, d2t or t2d, and
     draft_vocab_size = the target's vocab size. vLLM (0.32: Eagle3LlamaForCausalLM.load_weights, then
     llm_base_proposer._maybe_share_lm_head) serves a draft without an lm_head with the target's, and so does the
-    transformers evaluator. The draft's logits on its old vocabulary are unchanged; it can now also propose the
-    tokens outside it (a 6,144-token vocabulary covers 89 % of MT-bench's greedy output tokens, 16,384 96 %:
-    tests/bench/vocab_coverage.py). Refused when the lm_head differs from the target's rows: a trained head
-    would be lost."""
+    transformers evaluator. The draft's logits on its old vocabulary are unchanged (bit for bit where the target
+    and the draft share a dtype, as here: both bf16); it can now also propose the tokens outside it (a 6,144-token
+    vocabulary covers 89 % of MT-bench's greedy output tokens, 16,384 96 %: tests/bench/vocab_coverage.py).
+    Refused when the lm_head differs from the target's rows: a trained head would be lost. `name` is what error
+    messages call the drafter (default: src). `out` may be `src`: the folder is replaced only once written."""
+    import os
+
     import torch
     from safetensors.torch import save_file
 
-    weights = _served_weights(src)
+    name = name or str(src)
+    weights = {k: v.clone() for k, v in _served_weights(src).items()}  # in memory: out may be src
     head = target_output_embedding(target)
+    vocab = target_vocab_size(target)
     conf = json.loads((src / "config.json").read_text())
-    t2d = weights.pop("t2d", None)
-    weights.pop("d2t", None)
-    ids = t2d.nonzero().squeeze(1) if t2d is not None else torch.arange(head.shape[0])
+    if head.shape[0] != vocab or conf.get("transformer_layer_config", {}).get("vocab_size", vocab) != vocab:
+        raise ValueError(f"{name}: its verifier vocabulary ({conf.get('transformer_layer_config', {}).get('vocab_size')}), "
+                         f"{target}/config.json's vocab_size ({vocab}) and the target's lm_head rows ({head.shape[0]}) "
+                         f"must all agree for vLLM to serve the draft with the target's lm_head; not widened")
+    t2d, d2t = weights.pop("t2d", None), weights.pop("d2t", None)
     lm_head = weights.pop("lm_head.weight", None)
     if lm_head is None:
-        raise ValueError(f"{src}: has no lm_head.weight (already widened?)")
-    if t2d is not None and len(t2d) != head.shape[0]:
-        raise ValueError(f"{src}: its t2d covers {len(t2d)} target tokens, {target} has {head.shape[0]}: another target")
+        raise ValueError(f"{name}: has no lm_head.weight: already served over the whole vocabulary (widened); "
+                         f"serve or ship it as it is (pipeline.ship without --widen)")
+    if (t2d is None) != (d2t is None) or (t2d is not None and len(t2d) != vocab):
+        raise ValueError(f"{name}: its vocab maps (t2d {None if t2d is None else len(t2d)} entries, d2t "
+                         f"{None if d2t is None else len(d2t)}) do not fit {target}'s {vocab} tokens: another target?")
+    if d2t is not None:
+        ids = torch.arange(len(d2t)) + d2t.long()  # target id of each draft id (speculators' offset semantics)
+        if not (bool(t2d[ids].all()) and int(t2d.sum()) == len(ids)):
+            raise ValueError(f"{name}: its d2t and t2d disagree; a broken vocab map, not widened")
+    else:
+        ids = torch.arange(vocab)
     if lm_head.shape != (len(ids), head.shape[1]) or not torch.equal(lm_head, head[ids].to(lm_head.dtype)):
-        raise ValueError(f"{src}: its lm_head is not {target}'s output embedding at its draft vocabulary (it was "
+        raise ValueError(f"{name}: its lm_head is not {target}'s output embedding at its draft vocabulary (it was "
                          f"trained, or the draft belongs to another target); widening would change what it proposes: "
-                         f"ship it as it is (python -m pipeline.draft_transfer ship)")
-    conf["draft_vocab_size"] = head.shape[0]
+                         f"serve or ship it as it is (pipeline.ship without --widen)")
+    conf["draft_vocab_size"] = vocab
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    tmp = out / "model.safetensors.widen-tmp"
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
+    (out / "config.json.widen-tmp").write_text(json.dumps(conf, indent=2) + "\n")
+    os.replace(tmp, out / "model.safetensors")
+    os.replace(out / "config.json.widen-tmp", out / "config.json")
     return out
 
 
@@ -222,18 +238,28 @@ def prune(src: Path, keep: Path, out: Path) -> Path:
     return out
 
 
+def main(argv: list[str]) -> int:
+    cmd, *args = argv or [""]
+    try:
+        if cmd == "slim":
+            mb = float(args[args.index("--max-mb") + 1]) if "--max-mb" in args else 15.0
+            print(slim(Path(args[0]), Path(args[1]), mb))
+        elif cmd == "restore":
+            print(restore(Path(args[0]), Path(args[1]), Path(args[2])))
+        elif cmd == "ship":
+            print(ship(Path(args[0]), Path(args[1])))
+        elif cmd == "prune":
+            print(prune(Path(args[0]), Path(args[1]), Path(args[2])))
+        elif cmd == "widen":
+            print(widen(Path(args[0]), Path(args[1]), Path(args[2])))
+        else:
+            print(__doc__, file=sys.stderr)
+            return 2
+    except ValueError as e:
+        print(f"draft_transfer {cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    cmd, *args = sys.argv[1:]
-    if cmd == "slim":
-        mb = float(args[args.index("--max-mb") + 1]) if "--max-mb" in args else 15.0
-        print(slim(Path(args[0]), Path(args[1]), mb))
-    elif cmd == "restore":
-        print(restore(Path(args[0]), Path(args[1]), Path(args[2])))
-    elif cmd == "ship":
-        print(ship(Path(args[0]), Path(args[1])))
-    elif cmd == "prune":
-        print(prune(Path(args[0]), Path(args[1]), Path(args[2])))
-    elif cmd == "widen":
-        print(widen(Path(args[0]), Path(args[1]), Path(args[2])))
-    else:
-        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1:]))

@@ -133,7 +133,7 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
         from .draft_transfer import widen as widen_vocab
 
         try:
-            widen_vocab(staged, cfg.model_path, staged)
+            widen_vocab(staged, cfg.model_path, staged, name=str(draft))
         except ValueError as e:
             shutil.rmtree(staged)
             raise StepError(str(e)) from None

@@ -96,19 +96,30 @@ def test_widen_serves_a_draft_over_the_whole_vocabulary_and_refuses_a_trained_he
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.draft_transfer import widen
+    from pipeline.draft_transfer import target_output_embedding, widen
 
     w = _draft_with_target_rows(smollm2, work / "d", [5, 17, 300, 49151])
     out = widen(work / "d", smollm2, work / "wide")
     got = load_file(str(out / "model.safetensors"))
     assert set(got) == {"fc.weight"} and torch.equal(got["fc.weight"], w["fc.weight"])
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 49152
-    with pytest.raises(ValueError, match="already widened"):
+    with pytest.raises(ValueError, match=r"already served over the whole vocabulary \(widened\)"):
         widen(out, smollm2, work / "again")
+    # a checkpoint trained over the whole vocabulary (speculators keeps no maps; it still has the embedding and a
+    # full copy of the target's head), widened in place as `pipeline.ship --widen` does
+    full = work / "full"
+    full.mkdir()
+    head = target_output_embedding(smollm2)
+    save_file({"embed_tokens.weight": head, "lm_head.weight": head.clone(), "fc.weight": w["fc.weight"]},
+              str(full / "model.safetensors"))
+    (full / "config.json").write_text(json.dumps({"draft_vocab_size": 49152}))
+    widen(full, smollm2, full)
+    assert set(load_file(str(full / "model.safetensors"))) == {"fc.weight"}
+    assert sorted(p.name for p in full.iterdir()) == ["config.json", "model.safetensors"]
     w["lm_head.weight"][2, 0] += 1  # one trained value
     save_file(w, str(work / "d" / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"/d: its lm_head is not"):
-        widen(work / "d", smollm2, work / "refused")
+    with pytest.raises(ValueError, match=r"^the-draft: its lm_head is not"):
+        widen(work / "d", smollm2, work / "refused", name="the-draft")
     assert not (work / "refused").exists()
 
 

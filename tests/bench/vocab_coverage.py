@@ -48,7 +48,10 @@ def main(argv: list[str]) -> int:
     from safetensors.torch import load_file
 
     for d in a.drafters:
-        t2d = load_file(str(d / "model.safetensors"))["t2d"]
+        t2d = load_file(str(d / "model.safetensors")).get("t2d")
+        if t2d is None:  # no vocab map: the drafter proposes over the target's whole vocabulary (widened)
+            print(f"| {d} | the whole vocabulary | 1.0000 of the outputs |")
+            continue
         vocab = set(t2d.nonzero().squeeze(1).tolist())
         print(f"| {d} | {len(vocab):,} tokens | {share(outs, vocab):.4f} of the outputs |")
     if a.conversations:

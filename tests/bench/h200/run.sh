@@ -315,9 +315,10 @@ case $PHASE in
       while read -r tag name ck; do
         [ -n "$tag" ] || continue
         rm -rf .cache/slim-$name
-        if python3 -c "import json,sys; c=json.load(open('$ck/config.json')); sys.exit(c['draft_vocab_size'] != c['transformer_layer_config']['vocab_size'])"; then
+        if python3 -c "import json,sys; c=json.load(open('$ck/config.json')); sys.exit(c.get('draft_vocab_size') != c.get('transformer_layer_config', {}).get('vocab_size', -1))" < /dev/null 2>&1; then
           # a draft over the whole vocabulary: its 57-MB lm_head is the target's, so it travels widened (17 MB, served as it is)
-          python3 -m pipeline.draft_transfer widen "$ck" data/models/SmolLM2-135M-Instruct .cache/slim-$name > /dev/null < /dev/null || continue
+          TARGET=$(python3 -c "from pipeline.config import load_config; print(load_config('$CONFIG').model_path)" < /dev/null)
+          python3 -m pipeline.draft_transfer widen "$ck" "$TARGET" .cache/slim-$name > /dev/null < /dev/null || continue
         else python3 -m pipeline.draft_transfer slim "$ck" .cache/slim-$name --max-mb 15 > /dev/null < /dev/null || continue; fi
         tar cf .cache/slim-$name.tar -C .cache slim-$name
         size=$(stat -c %s .cache/slim-$name.tar); pieces=$(( (size + 14999999) / 15000000 ))
