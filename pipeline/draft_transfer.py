@@ -153,11 +153,6 @@ def target_output_embedding(target: Path):
     raise ValueError(f"{target}: neither lm_head.weight nor *{EMBED} in its safetensors")
 
 
-def target_vocab_size(target: Path) -> int:
-    conf = json.loads((target / "config.json").read_text())
-    return int(conf.get("text_config", conf)["vocab_size"])
-
-
 def widen(src: Path, target: Path, out: Path, name: str | None = None) -> Path:
     """A drafter (checkpoint, slim folder or served form) whose lm_head is the target's output embedding at its
     draft vocabulary -> the served form over the target's whole vocabulary: no lm_head, d2t or t2d, and
@@ -173,8 +168,10 @@ def widen(src: Path, target: Path, out: Path, name: str | None = None) -> Path:
     import torch
     from safetensors.torch import save_file
 
+    from .vocab import target_vocab_size
+
     name = name or str(src)
-    weights = {k: v.clone() for k, v in _served_weights(src).items()}  # in memory: out may be src
+    weights = _served_weights(src)  # out may be src: the new files are written aside and moved over it
     head = target_output_embedding(target)
     vocab = target_vocab_size(target)
     conf = json.loads((src / "config.json").read_text())

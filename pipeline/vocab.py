@@ -17,6 +17,13 @@ from .config import Config
 from .manifest import StepError, sha256_file
 
 
+def target_vocab_size(model_dir: Path) -> int:
+    """The target's vocabulary size from its config.json (multimodal wrappers nest it in text_config)."""
+    from .plan import text_config
+
+    return int(text_config(json.loads((model_dir / "config.json").read_text()))["vocab_size"])
+
+
 def token_frequencies(dataset) -> Counter:
     freq: Counter = Counter()
     for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"]):
@@ -35,8 +42,7 @@ def run(cfg: Config, out: Path) -> dict:
     from datasets import load_from_disk
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    target_vocab = json.loads((cfg.model_path / "config.json").read_text())
-    target_vocab = int(target_vocab.get("text_config", target_vocab)["vocab_size"])
+    target_vocab = target_vocab_size(cfg.model_path)
     size = cfg.vocab.draft_vocab_size
     if size > target_vocab:
         raise StepError(
