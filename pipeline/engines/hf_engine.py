@@ -97,41 +97,89 @@ def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | Non
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+# The decode step's attention. transformers' sdpa path expands the keys and values of a grouped-query model
+# (SmolLM2: 9 query heads on 3 kv heads) to every query head (repeat_kv) whenever a padding mask is given, so each
+# step of a batch of left-padded prompts copied the whole cache three times, on top of the DynamicCache appending
+# to it. Decoding from a preallocated StaticCache with the query heads of each kv head laid out as one query row
+# each (an exact rewrite: one query token attends to the same keys in every head) reads the cache once per step.
+GQA_DECODE = "eagle3_factory_gqa_decode"
+
+
+def _gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, hq, q_len, d = query.shape
+    hkv = key.shape[1]
+    if q_len != 1 or hq == hkv:  # the prefill, or no grouped heads: transformers' sdpa as it is
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    # query head h uses kv head h // (hq // hkv) (repeat_kv's order): [B, hq, 1, D] -> [B, hkv, hq // hkv, D]
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(b, hkv, hq // hkv, d), key, value,
+                                                           attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _decode_attention(model):
+    """The model's attention set to `_gqa_decode_attention` (registered once) for the duration; restored after."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GQA_DECODE, _gqa_decode_attention)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(GQA_DECODE)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop: set[int],
                    gen: torch.Generator | None = None, pad_id: int = 0) -> list[tuple[list[int], str]]:
-    """One left-padded batch: (token ids, finish reason) per prompt. EOS stops a row (and is kept)."""
-    from transformers import DynamicCache
+    """One left-padded batch: (token ids, finish reason) per prompt. EOS stops a row (and is kept).
+
+    The cache is a StaticCache of prompt width + max_new_tokens; the masks are built here as 4-D booleans
+    (transformers passes a 4-D mask through as it is): key j is visible to position i when j <= i and j is not
+    padding (a padding position sees itself only, so no row of the softmax is empty)."""
+    from transformers import StaticCache
 
     dev = next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
+    total = width + max_new_tokens
     ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.long)
+    real = torch.zeros((b, total), dtype=torch.bool)   # key positions that are not padding
+    real[:, width:] = True
     for r, p in enumerate(prompts):
         ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p):] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        real[r, width - len(p):width] = True
+    ids, real = ids.to(dev), real.to(dev)
+    pos = (real[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+    at = torch.arange(total, device=dev)
+    prefill_mask = ((at[None, :] <= at[:width, None])[None] & real[:, None, :]) | (at[None, :] == at[:width, None])[None]
+    mask = prefill_mask[:, None]                       # [B, 1, width, total]
     stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
-    cache = DynamicCache()
-    out = torch.empty((b, 0), dtype=torch.long, device=dev)
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    out = torch.empty((b, max_new_tokens), dtype=torch.long, device=dev)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     ends = torch.full((b,), max_new_tokens, dtype=torch.long, device=dev)  # output length per row
-    for step in range(max_new_tokens):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]
-        nxt = _sample(logits, temperature, gen)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        out = torch.cat([out, nxt[:, None]], dim=1)
-        hit = torch.isin(nxt, stop_t) & ~done
-        ends = torch.where(hit, torch.full_like(ends, step + 1), ends)
-        done |= hit
-        if bool(done.all()):
-            break
-        ids = nxt[:, None]
-        pos = pos[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
-    out_l, ends_l, done_l = out.tolist(), ends.tolist(), done.tolist()
+    steps = 0
+    with _decode_attention(model):
+        for step in range(max_new_tokens):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1).logits[:, -1]
+            nxt = _sample(logits, temperature, gen)
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            out[:, step] = nxt
+            steps = step + 1
+            hit = torch.isin(nxt, stop_t) & ~done
+            ends = torch.where(hit, torch.full_like(ends, step + 1), ends)
+            done |= hit
+            if bool(done.all()):
+                break
+            ids = nxt[:, None]
+            pos = pos[:, -1:] + 1
+            mask = (real & (at <= width + step))[:, None, None, :]
+    out_l, ends_l, done_l = out[:, :steps].tolist(), ends.tolist(), done.tolist()
     return [(row[:e], "stop" if d else "length") for row, e, d in zip(out_l, ends_l, done_l)]
 
 
