@@ -411,8 +411,8 @@ def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
     assert s["reused_from_interrupted_run"] == s["regenerated_turns"] > 0
 
 
-def _seeded_prepare(runs_dir, name: str, data: dict, earlier) -> dict:
-    """A fresh run seeded (tests/bench/h200/seed_regen_cache.py) with an earlier run's conversations: its prepare
+def _seeded_prepare(runs_dir, name: str, data: dict, earlier, same_as=None) -> dict:
+    """A fresh run seeded (tests/bench/h200/seed_regen_cache.py) with an earlier run's conversations (or their answers): its prepare
     must generate nothing and end with the same conversations. -> prepare's summary."""
     from pipeline import steps
     from pipeline.config import load_config
@@ -431,7 +431,7 @@ def _seeded_prepare(runs_dir, name: str, data: dict, earlier) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_engine, "generate_batch", must_not_generate)
         s = steps.run(second, "prepare")["summary"]
-    assert (second.step_dir("prepare") / "conversations.jsonl").read_text() == earlier.read_text()
+    assert (second.step_dir("prepare") / "conversations.jsonl").read_text() == (same_as or earlier).read_text()
     return s
 
 
@@ -477,3 +477,9 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
 
     s = _seeded_prepare(runs_dir, "allturns-b", data, earlier)
     assert s["reused_from_interrupted_run"] == s["regenerated_turns"] == summary["regenerated_turns"]
+    # the answers-only form (data/seeds/: the target's answers without the prompts) seeds exactly as well
+    answers = runs_dir / "allturns-answers.jsonl.gz"
+    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
+                    str(earlier), str(answers)], check=True, cwd=REPO)
+    s = _seeded_prepare(runs_dir, "allturns-c", data, answers, same_as=earlier)
+    assert s["reused_from_interrupted_run"] == summary["regenerated_turns"]

@@ -226,9 +226,10 @@ case $PHASE in
                | grep -v -E "it/s\]|s/it\]|examples/s\]|tok/s\]|file/s\]|prompt/s\]"; local rc=${PIPESTATUS[0]}
              echo "[s8] $s end $(date +%s) rc=$rc"; return $rc; }
     run8 model || exit 1
-    # the staged conversations that seed prepare's answers (session 8's ShareGPT all turns: saves the 1,013-s
-    # regeneration; S8_SEED=data/packages/regenerated-mix-conversations.jsonl.gz: session 12's mix, saves ~420 s more)
-    SEED=${S8_SEED:-data/packages/regenerated-allturns-conversations.jsonl.gz}
+    # the answers that seed prepare (default: the mix's, regenerated in session 13 and kept in the repository, so
+    # the tree carries them: saves the 558-s regeneration of the mix; S8_SEED=FILE another seed, e.g. an earlier
+    # run's conversations staged into data/packages/; a seed whose ids the run's sources lack seeds nothing)
+    SEED=${S8_SEED:-data/seeds/smollm2-135m-instruct-mix-answers.jsonl.gz}
     if [ -f $SEED ] && [ ! -f runs/s8-allturns/prepare/manifest.json ]; then
       python3 tests/bench/h200/seed_regen_cache.py --config $CONFIG --set "$AT" "${S8[@]}" $SEED
     fi
