@@ -102,6 +102,7 @@ def test_hf_generation_stops_rows_at_eos(smollm2):
     row is what the one-prompt greedy decoder gives."""
     from transformers import AutoTokenizer
 
+    from pipeline.engines import hf_engine
     from pipeline.engines.hf_engine import generate, load_target
     from pipeline.engines.hf_spec_eval import decode
 
@@ -114,13 +115,35 @@ def test_hf_generation_stops_rows_at_eos(smollm2):
         gens = generate(smollm2, prompts, dtype="float32", batch_size=3, max_new_tokens=24, progress=False)
         target = load_target(smollm2, "float32")
         refs = [decode(target, p, max_tokens=24, max_model_len=1024, stop={tok.eos_token_id}) for p in prompts]
+        # the path for sliding-window / remote-code models (transformers' own cache and masks) gives the same
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(hf_engine, "_static_decode_ok", lambda model: False)
+            dynamic = generate(smollm2, prompts, dtype="float32", batch_size=3, max_new_tokens=24, progress=False)
     assert [g.token_ids for g in gens] == refs
+    assert [g.token_ids for g in dynamic] == refs
     reasons = [g.finish_reason for g in gens]
     assert "stop" in reasons and "length" in reasons, reasons
     for g in gens:
         assert (g.token_ids[-1] == tok.eos_token_id) == (g.finish_reason == "stop")
         assert len(g.token_ids) == 24 or g.finish_reason == "stop"
         assert g.text == tok.decode(g.token_ids, skip_special_tokens=True)
+
+
+def test_static_decode_only_for_models_whose_every_layer_sees_the_whole_context():
+    """The StaticCache + 4-D mask path builds full causal masks: a sliding-window layer would silently attend too
+    far. Such models (and remote code) must take transformers' own masks."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from pipeline.engines.hf_engine import _static_decode_ok
+
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=64)
+    assert _static_decode_ok(LlamaForCausalLM(LlamaConfig(**tiny)))
+    assert not _static_decode_ok(MistralForCausalLM(MistralConfig(**tiny, sliding_window=16)))
+    assert _static_decode_ok(MistralForCausalLM(MistralConfig(**tiny, sliding_window=None)))
+    assert _static_decode_ok(Qwen2ForCausalLM(Qwen2Config(**tiny, use_sliding_window=False)))
+    assert not _static_decode_ok(Qwen2ForCausalLM(Qwen2Config(**tiny, use_sliding_window=True, sliding_window=16,
+                                                              max_window_layers=0)))
 
 
 def _spec(result: dict, k: int) -> dict:

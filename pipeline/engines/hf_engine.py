@@ -133,6 +133,19 @@ def _decode_attention(model):
         model.set_attn_implementation(before)
 
 
+def _static_decode_ok(model) -> bool:
+    """The StaticCache + 4-D mask path needs a transformers-native model whose every layer attends to the whole
+    context: the masks built here know nothing of sliding windows or chunked attention, and remote code may not
+    dispatch through transformers' attention functions. Other models keep transformers' own masks and cache."""
+    cfg = model.config.get_text_config(decoder=True)
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return all(t == "full_attention" for t in types)
+    return getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False
+
+
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop: set[int],
                    gen: torch.Generator | None = None, pad_id: int = 0) -> list[tuple[list[int], str]]:
@@ -140,9 +153,13 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
 
     The cache is a StaticCache of prompt width + max_new_tokens; the masks are built here as 4-D booleans
     (transformers passes a 4-D mask through as it is): key j is visible to position i when j <= i and j is not
-    padding (a padding position sees itself only, so no row of the softmax is empty)."""
+    padding (a padding position sees itself only, so no row of the softmax is empty). A model this cannot serve
+    (`_static_decode_ok`) decodes with a DynamicCache and transformers' own masks from the 2-D padding mask."""
     from transformers import StaticCache
 
+    if not _static_decode_ok(model):
+        return _generate_batch_dynamic(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       stop=stop, gen=gen, pad_id=pad_id)
     dev = next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
     total = width + max_new_tokens
@@ -180,6 +197,40 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
             pos = pos[:, -1:] + 1
             mask = (real & (at <= width + step))[:, None, None, :]
     out_l, ends_l, done_l = out[:, :steps].tolist(), ends.tolist(), done.tolist()
+    return [(row[:e], "stop" if d else "length") for row, e, d in zip(out_l, ends_l, done_l)]
+
+
+def _generate_batch_dynamic(model, prompts, *, max_new_tokens, temperature, stop, gen, pad_id):
+    """generate_batch for models with sliding-window/chunked layers or remote code: transformers' masks and cache."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
+    cache = DynamicCache()
+    out = []
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    ends = torch.full((b,), max_new_tokens, dtype=torch.long, device=dev)
+    for step in range(max_new_tokens):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        nxt = torch.where(done, torch.full_like(done, pad_id, dtype=torch.long), _sample(logits, temperature, gen))
+        out.append(nxt)
+        hit = torch.isin(nxt, stop_t) & ~done
+        ends = torch.where(hit, torch.full_like(ends, step + 1), ends)
+        done |= hit
+        if bool(done.all()):
+            break
+        ids, pos = nxt[:, None], pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
+    out_l, ends_l, done_l = torch.stack(out, 1).tolist(), ends.tolist(), done.tolist()
     return [(row[:e], "stop" if d else "length") for row, e, d in zip(out_l, ends_l, done_l)]
 
 
