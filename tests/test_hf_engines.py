@@ -506,3 +506,8 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
                     str(earlier), str(answers)], check=True, cwd=REPO)
     s = _seeded_prepare(runs_dir, "allturns-c", data, answers, same_as=earlier)
     assert s["reused_from_interrupted_run"] == summary["regenerated_turns"]
+    # joined by id alone, so a seed whose .json names another file under the same source tag is refused
+    (runs_dir / "allturns-answers.json").write_text(json.dumps({"sources": [{"tag": "multi-turn", "sha256": "0" * 64}]}))
+    bad = subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--config",
+                          str(runs_dir / "allturns-c.toml"), str(answers)], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode != 0 and "is not the file the answers were made from" in bad.stderr, bad.stderr

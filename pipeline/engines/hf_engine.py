@@ -110,7 +110,8 @@ def _gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0
 
     b, hq, q_len, d = query.shape
     hkv = key.shape[1]
-    if q_len != 1 or hq == hkv:  # the prefill, or no grouped heads: transformers' sdpa as it is
+    extras = any(kwargs.get(k) is not None for k in ("position_bias", "s_aux", "softcap"))
+    if q_len != 1 or hq == hkv or extras:  # the prefill, no grouped heads, or terms SDPA alone lacks: sdpa as is
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     # query head h uses kv head h // (hq // hkv) (repeat_kv's order): [B, hq, 1, D] -> [B, hkv, hq // hkv, D]
@@ -128,6 +129,8 @@ def _decode_attention(model):
     before = model.config._attn_implementation
     model.set_attn_implementation(GQA_DECODE)
     try:
+        if model.config._attn_implementation != GQA_DECODE:  # eager attention would add the boolean masks
+            raise RuntimeError(f"{type(model).__name__} did not take the {GQA_DECODE} attention")
         yield
     finally:
         model.set_attn_implementation(before)
@@ -137,13 +140,15 @@ def _static_decode_ok(model) -> bool:
     """The StaticCache + 4-D mask path needs a transformers-native model whose every layer attends to the whole
     context: the masks built here know nothing of sliding windows or chunked attention, and remote code may not
     dispatch through transformers' attention functions. Other models keep transformers' own masks and cache."""
-    cfg = model.config.get_text_config(decoder=True)
-    if not type(model).__module__.startswith("transformers."):
+    if not (type(model).__module__.startswith("transformers.") and getattr(model, "_supports_attention_backend", False)):
         return False
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return all(t == "full_attention" for t in types)
-    return getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False
+    try:  # the layer types as StaticCache itself decides them (a set sliding_window or attention_chunk_size counts)
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]
+    except (ImportError, AttributeError, TypeError):
+        return False
+    return all(t == "full_attention" for t in types)
 
 
 @torch.inference_mode()
@@ -230,7 +235,8 @@ def _generate_batch_dynamic(model, prompts, *, max_new_tokens, temperature, stop
             break
         ids, pos = nxt[:, None], pos[:, -1:] + 1
         mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=dev)], dim=1)
-    out_l, ends_l, done_l = torch.stack(out, 1).tolist(), ends.tolist(), done.tolist()
+    out_l = torch.stack(out, 1).tolist() if out else [[] for _ in prompts]
+    ends_l, done_l = ends.tolist(), done.tolist()
     return [(row[:e], "stop" if d else "length") for row, e, d in zip(out_l, ends_l, done_l)]
 
 

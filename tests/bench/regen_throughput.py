@@ -72,8 +72,10 @@ def main() -> None:
         b, w = (int(x) for x in shape.split("x"))
         lens = torch.randint(int(0.8 * w), w + 1, (b,), generator=g).tolist()
         prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lens]
-        time_one(hf_engine.generate_batch, model, prompts[:8], 4)  # warm-up (kernels, allocator)
         for name, fn in impls.items():
+            time_one(fn, model, prompts[:8], 4)  # warm-up (kernels, allocator)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             s = time_one(fn, model, prompts, a.new_tokens)
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
             row = {"impl": name, "batch": b, "width": w, "new_tokens": a.new_tokens, "seconds": round(s, 2),

@@ -228,10 +228,11 @@ case $PHASE in
                | grep -v -E "it/s\]|s/it\]|examples/s\]|tok/s\]|file/s\]|prompt/s\]"; local rc=${PIPESTATUS[0]}
              echo "[s8] $s end $(date +%s) rc=$rc"; return $rc; }
     run8 model || exit 1
-    # the answers that seed prepare (default: the mix's, regenerated in session 13 and kept in the repository, so
-    # the tree carries them: saves the 558-s regeneration of the mix; S8_SEED=FILE another seed, e.g. an earlier
-    # run's conversations staged into data/packages/; a seed whose ids the run's sources lack seeds nothing)
-    SEED=${S8_SEED:-data/seeds/smollm2-135m-instruct-mix-answers.jsonl.gz}
+    # the answers that seed prepare (with S8_SET, the mix: data/seeds/, regenerated in session 13 and kept in the
+    # repository, so the tree carries them: saves the 558-s regeneration; S8_SEED=FILE another seed, e.g. an earlier
+    # run's conversations staged into data/packages/; seed_regen_cache.py refuses a seed made from other sources)
+    MIXSEED=$([ -n "${S8_SET:-}" ] && echo data/seeds/smollm2-135m-instruct-mix-answers.jsonl.gz)
+    SEED=${S8_SEED:-${MIXSEED:-data/packages/regenerated-allturns-conversations.jsonl.gz}}   # S8_SEED=none: no seed
     if [ -f $SEED ] && [ ! -f runs/s8-allturns/prepare/manifest.json ]; then
       python3 tests/bench/h200/seed_regen_cache.py --config $CONFIG --set "$AT" "${S8[@]}" $SEED
     fi

@@ -48,24 +48,22 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     opener = gzip.open if args.conversations.suffix == ".gz" else open
     keys, gens = [], []
-    by_id = None
+    by_id, unmatched = None, 0
     with opener(args.conversations, "rt") as f:
         for line in f:
             rec = json.loads(line)
             if "answers" in rec:  # answers-only: the user turns come from this config's sources
                 if by_id is None:
+                    check_sidecar(args.conversations, cfg)
                     by_id = {c["id"]: c["messages"] for c in selected_conversations(cfg)[0]}
                 if rec["id"] not in by_id:
+                    unmatched += 1
                     continue
-                answers = iter(rec["answers"])
-                msgs = []
-                for m in by_id[rec["id"]]:
-                    if m["role"] == "assistant":
-                        a = next(answers, None)
-                        if a is None:
-                            break
-                        m = {"role": "assistant", "content": a}
-                    msgs.append(m)
+                # as prepare regenerates: the system turns, then user turn r with answer r (tool turns flattened)
+                conv = by_id[rec["id"]]
+                msgs = [m for m in conv if m["role"] == "system"]
+                for user, answer in zip([m for m in conv if m["role"] == "user"], rec["answers"]):
+                    msgs += [user, {"role": "assistant", "content": answer}]
             else:
                 msgs = rec["messages"]
             # round r's prompt is the system turns, the earlier user turns with the target's answers, and user
@@ -85,8 +83,38 @@ def main(argv: list[str]) -> int:
     cache.add(keys, gens)
     cache.close()
     (out / ".fingerprint").write_text(fingerprint(cfg, "prepare"))
-    print(f"[seed] {len(keys)} answers from {args.conversations} -> {out / REGEN_CACHE}")
+    print(f"[seed] {len(keys)} answers from {args.conversations} -> {out / REGEN_CACHE}"
+          + (f"; {unmatched} conversations of the seed are not in this run's selection" if unmatched else ""))
+    if by_id is not None and not keys:
+        print(f"[seed] nothing seeded: no conversation id of {args.conversations} is in this run's sources "
+              f"(a mix's ids are '<source file stem>/<id>')", file=sys.stderr)
+        return 1
     return 0
+
+
+def check_sidecar(seed: Path, cfg) -> None:
+    """An answers-only seed is joined to the run's conversations by id: refuse it, naming the file, when its .json
+    says it was made from other source files (same tag, other sha256) or with another answer length or sampling."""
+    from pipeline.manifest import sha256_file
+    from pipeline.prepare import source_tags
+
+    side = seed.with_name(seed.name.removesuffix(".gz").removesuffix(".jsonl") + ".json")
+    if not side.exists():
+        print(f"[seed] WARNING: no {side.name} beside {seed}: sources and settings not checked", file=sys.stderr)
+        return
+    made = json.loads(side.read_text())
+    problems = []
+    recorded = {x["tag"]: x["sha256"] for x in made.get("sources", [])}
+    for tag, path in zip(source_tags(cfg.data.sources or [cfg.data.path]), cfg.data.sources or [cfg.data.path]):
+        if tag in recorded and path and Path(path).exists() and sha256_file(Path(path)) != recorded[tag]:
+            problems.append(f"source {path} is not the file the answers were made from (sha256 {recorded[tag][:12]}...)")
+    for key in ("max_new_tokens", "temperature"):
+        want = made.get("settings", {}).get(key)
+        if want is not None and getattr(cfg.data, key) != want:
+            problems.append(f"data.{key} = {getattr(cfg.data, key)}, the seed was made with {want}")
+    if problems:
+        sys.exit(f"[seed] {seed} does not fit this run ({side.name}): " + "; ".join(problems)
+                 + ". Run without it (S8_SEED=none) or rebuild the sources it names.")
 
 
 def answers_only(src: Path, out: Path) -> int:
