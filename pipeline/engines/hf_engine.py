@@ -136,6 +136,17 @@ def _decode_attention(model):
         model.set_attn_implementation(before)
 
 
+def _left_padded(prompts: list[list[int]], pad_id: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, width] token ids, left-padded with pad_id, and the [B, width] boolean mask of the real tokens."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    real = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        real[r, width - len(p):] = True
+    return ids.to(dev), real.to(dev)
+
+
 def _static_decode_ok(model) -> bool:
     """The StaticCache + 4-D mask path needs a transformers-native model whose every layer attends to the whole
     context: the masks built here know nothing of sliding windows or chunked attention, and remote code may not
@@ -166,15 +177,10 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
         return _generate_batch_dynamic(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                        stop=stop, gen=gen, pad_id=pad_id)
     dev = next(model.parameters()).device
-    b, width = len(prompts), max(len(p) for p in prompts)
+    ids, prompt_real = _left_padded(prompts, pad_id, dev)
+    b, width = ids.shape
     total = width + max_new_tokens
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    real = torch.zeros((b, total), dtype=torch.bool)   # key positions that are not padding
-    real[:, width:] = True
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        real[r, width - len(p):width] = True
-    ids, real = ids.to(dev), real.to(dev)
+    real = torch.cat([prompt_real, torch.ones((b, max_new_tokens), dtype=torch.bool, device=dev)], dim=1)
     pos = (real[:, :width].long().cumsum(-1) - 1).clamp(min=0)
     at = torch.arange(total, device=dev)
     prefill_mask = ((at[None, :] <= at[:width, None])[None] & real[:, None, :]) | (at[None, :] == at[:width, None])[None]
@@ -210,13 +216,8 @@ def _generate_batch_dynamic(model, prompts, *, max_new_tokens, temperature, stop
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
-    b, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p):] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
+    ids, real = _left_padded(prompts, pad_id, dev)
+    b, mask = ids.shape[0], real.long()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     stop_t = torch.tensor(sorted(stop) or [-1], device=dev)
     cache = DynamicCache()
