@@ -40,3 +40,36 @@ def setup_env() -> dict[str, str]:
 
     tempfile.tempdir = os.environ["TMPDIR"]
     return {k: os.environ[k] for k in defaults}
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of this CPU (Linux /proc/cpuinfo); empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+
+
+def slow_cpu_dtype(dtype: str, key: str, flags: set[str] | None = None) -> str | None:
+    """Why `key = dtype` will crawl on this machine, or None: bf16 compute on a CPU-only host whose CPU has no bf16
+    instructions (AVX2 only, e.g. AMD EPYC Zen 3). torch and vLLM emulate it there: a 1024x576x1536 matmul ran at
+    1.2 GFLOP/s in bf16 against 108 in fp32 (NOTES.md, "CPU dtype"), and vLLM's prepare took 85 s per prompt."""
+    if dtype != "bfloat16":
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if not flags or flags & BF16_FLAGS:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (f'{key} = "bfloat16" on a CPU without bf16 instructions (no {" or ".join(sorted(BF16_FLAGS))}): '
+            f'torch and vLLM emulate bf16 here, about 90x slower than float32. Set {key} = "float32" '
+            f'(the CPU configs do; NOTES.md, "CPU dtype").')

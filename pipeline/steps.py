@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 from .config import Config
 from .manifest import StepError, run_step, sha256_file, step_fingerprint
@@ -46,12 +47,24 @@ def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
     return upstream, {}
 
 
+def warn_slow_dtype(cfg: Config, step: str) -> None:
+    """A warning (not a refusal: GPU figures are reproduced in bf16) when a step computes in bf16 on a CPU without it."""
+    key = {"prepare": "model.dtype", "extract": "model.dtype", "verify": "model.dtype", "eval": "eval.dtype"}.get(step)
+    if key:
+        from .env import slow_cpu_dtype
+
+        msg = slow_cpu_dtype(getattr(cfg.model if key.startswith("model") else cfg.eval, "dtype"), key)
+        if msg:
+            print(f"[{step}] warning: {msg}", file=sys.stderr, flush=True)
+
+
 def run(cfg: Config, step: str, force: bool = False, shard: tuple[int, int] | None = None) -> dict:
     if step not in STEPS:
         raise NotImplementedError(f"step '{step}' is not implemented yet")
     if shard is not None and step not in SHARDABLE:
         raise StepError(f"--shard applies to {', '.join(SHARDABLE)} only, not '{step}'")
     module, sections, _, keep = STEPS[step]
+    warn_slow_dtype(cfg, step)
     upstream, extra = upstream_of(cfg, step)
     fn = importlib.import_module(f"pipeline.{module}").run
     return run_step(cfg, step, fn, sections=sections, upstream=upstream, force=force, keep_partial=keep, shard=shard,

@@ -49,8 +49,11 @@ def speculators_args(cfg: Config, out: Path, aux_ids: list[int], vocab_dir: Path
     if cfg.model.trust_remote_code:
         args.append("--trust-remote-code")
     if not torch.cuda.is_available():
-        # FlexAttention has no CPU backward; the fused loss is a Triton kernel.
-        args += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0"]
+        # FlexAttention has no CPU backward; the fused loss is a Triton kernel. float32: speculators autocasts to
+        # its hidden-states dtype (bf16 by default), and a CPU without bf16 instructions (AVX2 only) runs bf16
+        # matmuls ~90x slower than fp32 (NOTES "CPU dtype"); fp32 also gives every CPU host the same numbers.
+        args += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
+                 "--hidden-states-dtype", "float32"]
     return args + list(cfg.train.extra_args)
 
 

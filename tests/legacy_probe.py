@@ -52,7 +52,7 @@ def main(spec_path: str, out_path: str) -> None:
     t0 = time.time()
     gen = vhg.VllmHiddenStatesGenerator(
         spec["model"], layer_ids=spec["layer_ids"], max_model_len=spec["max_model_len"],
-        trust_remote_code=spec.get("trust_remote_code", False),
+        trust_remote_code=spec.get("trust_remote_code", False), dtype=spec.get("dtype", "auto"),
     )
     out = {"start_s": time.time() - t0, "speculators": speculators.__file__,
            "budget": gen.vllm_config.scheduler_config.max_num_batched_tokens,

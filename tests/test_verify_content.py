@@ -92,7 +92,7 @@ def test_corruption_matrix_each_fault_named_with_its_check_then_redo_failed(data
     picked[k], picked[j] = picked[j], picked[k]
     # strictly longer: an equal-length donor would hold the same states as the faulty file (a duplicate, flagged too)
     donor = next(n for n in names if n not in picked and sizes[n] > sizes[picked[k]])
-    model = load_model(cfg.model_path)
+    model = load_model(cfg.model_path, cfg.model.dtype)
     for fault, name in zip(faults, picked):
         inject(fault, src / name, src / donor, model)
     # extract's record of the contents now disagrees with the files, as after any corruption on disk
@@ -181,7 +181,7 @@ def test_right_states_for_tokens_the_target_would_not_produce_are_a_warning(data
 
     shutil.rmtree(split_dir)
     tmp.rename(split_dir)
-    hs = hidden_states(load_model(cfg.model_path), ids, LAYER_IDS)
+    hs = hidden_states(load_model(cfg.model_path, cfg.model.dtype), ids, LAYER_IDS)
     save_file({"hidden_states": hs.contiguous(), "token_ids": torch.tensor(ids, dtype=torch.long)},
               str(cfg.step_dir("extract") / name))
     summary = run(cfg, "verify", force=True)["summary"]

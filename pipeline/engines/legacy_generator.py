@@ -66,7 +66,7 @@ def _env_int(name: str, default: int | None) -> int | None:
 
 
 def start_generator(model_path: Path, layer_ids: list[int], max_model_len: int, trust_remote_code: bool,
-                    tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0):
+                    tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0, dtype: str = "auto"):
     """The patched VllmHiddenStatesGenerator (starts vLLM's engine; ~10-20 s for a small model on CPU)."""
     import speculators.data_generation.vllm_hidden_states_generator as vhg
 
@@ -80,6 +80,7 @@ def start_generator(model_path: Path, layer_ids: list[int], max_model_len: int, 
         gpu_memory_utilization=float(os.environ.get("EAGLE3_LEGACY_GPU_MEMORY_UTILIZATION") or gpu_memory_utilization or 0.8),
         tensor_parallel_size=_env_int("EAGLE3_LEGACY_TP", tensor_parallel_size),
         trust_remote_code=trust_remote_code,
+        dtype=dtype,  # patch 0013
     )
 
 
@@ -143,9 +144,10 @@ def extract_legacy(cfg: Config, todo: list[tuple[str, int, list[int]]], out: Pat
 
     t0 = time.time()
     gen = start_generator(cfg.model_path, layer_ids, cfg.model.max_model_len, cfg.model.trust_remote_code,
-                          cfg.engine.tensor_parallel_size, cfg.engine.gpu_memory_utilization)
+                          cfg.engine.tensor_parallel_size, cfg.engine.gpu_memory_utilization, dtype=cfg.model.dtype)
     stats = {"server_start_s": round(time.time() - t0, 1), "extract_s": 0.0, "tokens_extracted": 0,
              "engine": f"speculators {SPECULATORS_VERSION} VllmHiddenStatesGenerator (patched)",
+             "engine_dtype": str(gen.vllm_config.model_config.dtype).removeprefix("torch."),
              "patch_series_sha256": state["series_sha256"], "patches_not_applied": state["not_applied"]}
     try:
         budget = step_budget(gen)
