@@ -40,7 +40,8 @@ def test_extract_writes_every_sample_with_its_layer_ids(data_run):
     s = m["summary"]
     assert s["layer_ids"] == LAYER_IDS and s["layer_id_convention"] == "vllm"
     assert s["samples"] == s["extracted_now"] > 0
-    assert s["bytes_per_token"] == pytest.approx(4 * 576 * 2, rel=0.01)
+    element = torch.empty(0, dtype=getattr(torch, data_run.model.dtype)).element_size()  # 4: the CPU configs' fp32
+    assert s["bytes_per_token"] == pytest.approx(4 * 576 * element, rel=0.01)
     meta = json.loads((data_run.step_dir("extract") / "hidden_states.json").read_text())
     assert meta["layer_ids"] == LAYER_IDS
     for key in ("packages", "patch_series_sha256", "git", "config_sha256", "inputs", "seconds"):

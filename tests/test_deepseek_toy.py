@@ -27,8 +27,10 @@ def toy_config(name: str, **over):
     runs = TOY_DIR / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     sections = dict(
+        # bf16, not the CPU configs' float32: AMX hosts serve MLA with AMX_MLA, bf16 only (test_cpu_mla_float32_on_amx_hosts);
+        # the toy is small enough that bf16 emulated on AVX2-only CPUs costs little
         model={"source": "path", "path": str(TOY_DIR / "model"), "max_model_len": 512, "precision": "bf16",
-               "trust_remote_code": False},
+               "trust_remote_code": False, "dtype": "bfloat16"},
         data={"path": str(conversations(TOY_DIR / "convs.jsonl")), "regenerate": "off", "max_conversations": 0,
               "eval_fraction": 0.25, "seq_length": 256},
         extract={"layer_ids": LAYER_IDS, "concurrency": 2},
