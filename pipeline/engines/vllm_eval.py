@@ -54,6 +54,7 @@ def main(request_path: str, result_path: str) -> None:
     setup_env()
     req = json.loads(open(request_path).read())
     in_process = in_process_engine(req.get("engine", {}))
+    print(f"[vllm_eval] engine {'in this process' if in_process else 'in vLLM processes'}", flush=True)
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -90,7 +91,6 @@ def main(request_path: str, result_path: str) -> None:
         "startup_s": startup,
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "spec_decode": spec,
-        "engine_in_process": in_process,
     }
     with open(result_path, "w") as f:
         json.dump(result, f)
