@@ -124,7 +124,10 @@ def run(cfg: Config, out: Path) -> dict:
 
     untrained = out / "untrained"
     if not (untrained / "model.safetensors").exists():
-        _speculators(out, [*_replace(args, "--save-path", str(untrained)), "--dry-run"], "untrained", out / "untrained.jsonl")
+        dry = [*_replace(args, "--save-path", str(untrained)), "--dry-run"]
+        if "--hidden-states-dtype" in dry:  # the dry run saves in this dtype: bf16, as the trained checkpoints
+            dry = _replace(dry, "--hidden-states-dtype", "bfloat16")
+        _speculators(out, dry, "untrained", out / "untrained.jsonl")
     set_aside_incomplete_checkpoints(out / "checkpoints")
     _speculators(out, args, "train", out / "metrics.jsonl", cfg=cfg)
 

@@ -143,8 +143,9 @@ def test_full_chain_in_containers_matches_the_venv_run(container_run, trained_ru
 
 def assert_same_computation(a: Path, b: Path) -> dict:
     """Two runs of one config (here: containers vs venv) computed the same thing, within what the engines
-    themselves reproduce. vLLM on CPU batches requests as they arrive and its bf16 kernels depend on the batch
-    shape, so two runs can differ: extraction at the bf16 noise level (measured between venv runs too; verify's
+    themselves reproduce. vLLM on CPU batches requests as they arrive and its kernels depend on the batch shape
+    (measured in bf16, before the CPU configs moved to float32 in session 14), so two runs can differ: extraction at
+    the rounding-noise level (measured between venv runs too; verify's
     statistic and threshold hold), and now and then prepare's greedy regeneration, whose answers then diverge
     after some token (seen once in five runs here, a container run: 9 of 21 answers; the mechanism is the same in
     the venv). Everything else is held exactly."""

@@ -42,7 +42,8 @@ def float32_newton_schulz_on_cpu() -> bool:
     import torch.optim._muon as muon
 
     def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
-        # torch 2.13's _zeropower_via_newtonschulz with the bf16 cast removed (same checks, same iteration)
+        # torch 2.13's _zeropower_via_newtonschulz with the bf16 cast removed (the same iteration; out of place:
+        # grad.float() may be the momentum buffer itself)
         if ns_steps >= 100:
             raise ValueError("Number of steps must be less than 100 for computational efficiency")
         if len(grad.shape) != 2:
@@ -81,7 +82,12 @@ def main(argv: list[str]) -> None:
         logging.getLogger("speculators.metrics").addHandler(JsonlHandler(metrics_path))
 
     cli.setup_metric_logger = setup_metric_logger
-    float32_newton_schulz_on_cpu()
+    if float32_newton_schulz_on_cpu():
+        import warnings
+
+        # CPU training passes --hidden-states-dtype float32 (pipeline/train.py), which speculators hands to
+        # torch.autocast: CPU autocast takes bf16/fp16 only and turns itself off, which is the point; not a warning
+        warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
     train_main(TrainConfig.resolve(train_args))
 
 

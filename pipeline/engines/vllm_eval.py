@@ -9,8 +9,11 @@ _num_accepted_tokens_per_pos). A process per run keeps engines from sharing stat
 On a CPU-only host the engine runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni"
 executor) instead of vLLM's default engine-core and worker processes: each of those imports vLLM and torch
 again, ~19 s apiece on a 2-core AMD EPYC, so an engine start took 48 s there and 8.6 s in-process, with the
-same outputs and the same spec-decode counters (NOTES.md, "CPU dtype and engine starts"). GPU hosts keep
-vLLM's default (tensor parallelism needs the worker processes).
+same outputs and the same spec-decode counters (NOTES.md, "CPU dtype and engine starts"). Generation was
+faster too, mostly because vLLM's worker is bound to one core of two (the other is reserved for its scheduler)
+while in-process torch uses both, unbound: on a large multi-socket CPU host, where vLLM's NUMA binding
+matters, set EAGLE3_EVAL_ENGINE_PROCESSES=1 to keep vLLM's processes. GPU hosts keep vLLM's default (tensor
+parallelism needs the worker processes).
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ def in_process_engine(engine: dict) -> bool:
     """Whether to run the engine in this process: CPU-only, one worker, no executor asked for by the config."""
     import torch
 
-    if torch.cuda.is_available() or engine.get("distributed_executor_backend"):
+    if torch.cuda.is_available() or engine.get("distributed_executor_backend") or os.environ.get("EAGLE3_EVAL_ENGINE_PROCESSES") == "1":
         return False
     return int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1) == 1
 
