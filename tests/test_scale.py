@@ -57,7 +57,7 @@ def fake_run(tmp_path_factory, monkeypatch):
         calls.append([(s, i) for s, i, _ in todo])
         for split, i, ids in todo:
             g = torch.Generator().manual_seed(hash((split, i)) % 2**31)
-            save_file({"hidden_states": torch.randn(len(ids), len(layer_ids), hidden, generator=g).to(torch.bfloat16),
+            save_file({"hidden_states": torch.randn(len(ids), len(layer_ids), hidden, generator=g).to(getattr(torch, cfg.model.dtype)),
                        "token_ids": torch.tensor(ids, dtype=torch.int64)}, str(out / split / file_name(i)))
         return {"tokens_extracted": sum(len(x[2]) for x in todo), "extract_s": 0.5, "server_start_s": 0.0}
 
