@@ -49,11 +49,11 @@ def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
 
 def warn_slow_dtype(cfg: Config, step: str) -> None:
     """A warning (not a refusal: GPU figures are reproduced in bf16) when a step computes in bf16 on a CPU without it."""
-    key = {"prepare": "model.dtype", "extract": "model.dtype", "verify": "model.dtype", "eval": "eval.dtype"}.get(step)
-    if key:
+    section = {"prepare": "model", "extract": "model", "verify": "model", "eval": "eval"}.get(step)
+    if section:
         from .env import slow_cpu_dtype
 
-        msg = slow_cpu_dtype(getattr(cfg.model if key.startswith("model") else cfg.eval, "dtype"), key)
+        msg = slow_cpu_dtype(getattr(cfg, section).dtype, f"{section}.dtype")
         if msg:
             print(f"[{step}] warning: {msg}", file=sys.stderr, flush=True)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -61,6 +60,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     from pipeline.env import BF16_FLAGS, cpu_flags, setup_env
+    from pipeline.manifest import host_facts
 
     setup_env()
     import torch
@@ -68,9 +68,8 @@ def main() -> None:
 
     from pipeline.engines.speculators_train import float32_newton_schulz_on_cpu
 
-    flags = cpu_flags()
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"CPU: {model}, {os.cpu_count()} cores; bf16 flags: {sorted(flags & BF16_FLAGS) or 'none'}; "
+    flags, host = cpu_flags(), host_facts()
+    print(f"CPU: {host.get('cpu_model', '?')}, {host['cpus']} cores; bf16 flags: {sorted(flags & BF16_FLAGS) or 'none'}; "
           f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}")
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
