@@ -367,30 +367,39 @@ class RegenCache:
 def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
     """Replace assistant turns with the target's own answers (in place), round by round; finished
     answers are saved as they come (see RegenCache), so a rerun resumes."""
-    budget = cfg.model.max_model_len - cfg.data.max_new_tokens
     cache = RegenCache(out / REGEN_CACHE)
     # generate_all(prompts, done, **sampling): `done(indices, generations)` as batches finish
     if cfg.data.engine == "hf":
         from .engines import hf_engine
 
-        llm = None
-
         def generate_all(prompts, done, **kw):
             hf_engine.generate(cfg.model_path, prompts, dtype=cfg.model.dtype, batch_size=cfg.data.batch_size,
                                trust_remote_code=cfg.model.trust_remote_code, on_batch=done, **kw)
-    else:
-        from .engines.vllm_offline import generate, make_llm
 
-        llm = make_llm(
-            cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=cfg.run.seed,
-            trust_remote_code=cfg.model.trust_remote_code, enforce_eager=cfg.engine.enforce_eager,
-            **cfg.engine.llm_kwargs(),
-        )
+        return regenerate_rounds(cfg, tok, selected, out, cache, generate_all)
+    from .engines.vllm_offline import EngineProcess, close, generate, make_llm
 
-        def generate_all(prompts, done, **kw):
-            for s in range(0, len(prompts), VLLM_CHUNK):
-                chunk = generate(llm, prompts[s: s + VLLM_CHUNK], **kw)
-                done(range(s, s + len(chunk)), chunk)
+    llm = make_llm(
+        cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=cfg.run.seed,
+        trust_remote_code=cfg.model.trust_remote_code, enforce_eager=cfg.engine.enforce_eager,
+        **cfg.engine.llm_kwargs(),
+    )
+
+    def generate_all(prompts, done, **kw):
+        for s in range(0, len(prompts), VLLM_CHUNK):
+            chunk = generate(llm, prompts[s: s + VLLM_CHUNK], **kw)
+            done(range(s, s + len(chunk)), chunk)
+
+    try:
+        stats = regenerate_rounds(cfg, tok, selected, out, cache, generate_all)
+    finally:
+        close(llm)  # an engine process ends here, also on an error or SIGTERM (it unwinds like Ctrl-C)
+    stats["vllm_engine"] = "one child process" if isinstance(llm, EngineProcess) else "vLLM's processes"
+    return stats
+
+
+def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: RegenCache, generate_all) -> dict:
+    budget = cfg.model.max_model_len - cfg.data.max_new_tokens
     stats = {"engine": cfg.data.engine, "regenerated_turns": 0, "truncated_at_max_new_tokens": 0, "turns_dropped_prompt_too_long": 0}
     thinking = prompt_opens_reasoning(tok)
     if thinking:
@@ -457,5 +466,4 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
         c["regenerated"] = True
     selected[:] = [c for c in selected if any(m["role"] == "assistant" for m in c["messages"])]
     cache.close()
-    del llm
     return stats

@@ -29,6 +29,10 @@ def test_prepare_recovers_regenerates_and_masks(data_run):
     assert s["train_samples"] + s["eval_samples"] == s["regenerated_turns"] - sum(s["rejected_at_tokenization"].values())
     assert s["train_samples"] > 0 and s["eval_samples"] > 0
     assert 0 < s["assistant_tokens"] < s["tokens"]
+    from pipeline.engines.vllm_offline import in_process_engine
+
+    # on a CPU-only host the engine ran in one child process (vllm_generate), not in this test session's process
+    assert s["vllm_engine"] == ("one child process" if in_process_engine({}) else "vLLM's processes")
     from datasets import load_from_disk
 
     ds = load_from_disk(str(data_run.step_dir("prepare") / "train"))

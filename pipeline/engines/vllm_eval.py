@@ -22,6 +22,8 @@ import os
 import sys
 import time
 
+from .vllm_offline import in_process_engine  # shared with prepare's engine (vllm_offline.make_llm)
+
 
 def counters(metrics) -> dict:
     from vllm.v1.metrics.reader import Counter, Vector
@@ -40,15 +42,6 @@ def counters(metrics) -> dict:
             acc = out["accepted_per_pos"]
             out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * len(vals), vals)] if acc else vals
     return out
-
-
-def in_process_engine(engine: dict) -> bool:
-    """Whether to run the engine in this process: CPU-only, one worker, no executor asked for by the config."""
-    import torch
-
-    if torch.cuda.is_available() or engine.get("distributed_executor_backend") or os.environ.get("EAGLE3_EVAL_ENGINE_PROCESSES") == "1":
-        return False
-    return int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1) == 1
 
 
 def main(request_path: str, result_path: str) -> None:
