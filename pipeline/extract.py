@@ -103,15 +103,24 @@ def extract_samples(cfg: Config, todo, out: Path, layer_ids: list[int], hidden: 
 
         stats.update(extract_legacy(cfg, todo, out, layer_ids, hidden))
         return stats
+    from .engines.vllm_offline import in_process_engine
+
+    extra = (["--trust-remote-code"] if cfg.model.trust_remote_code else []) + cfg.engine.cli_args()
+    env = dict(os.environ)
+    if in_process_engine(cfg.engine.llm_kwargs()):
+        # the worker inside the engine-core process: one process fewer, each importing vLLM and torch (~19 s on
+        # a 2-core CPU host), and the model runs unbound on every core (NOTES "CPU dtype and engine starts").
+        # The API server keeps its engine core apart whatever this says (AsyncLLM).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        extra += ["--distributed-executor-backend", "uni"]
     args = extraction_server_args(
         cfg.model_path, layer_ids, staging, cfg.model.max_model_len, dtype=cfg.model.dtype,
-        on_cpu=cpu_only(), extra=(["--trust-remote-code"] if cfg.model.trust_remote_code else []) + cfg.engine.cli_args(),
-        max_num_batched_tokens=cfg.model.max_model_len * cfg.extract.concurrency,
+        on_cpu=cpu_only(), extra=extra, max_num_batched_tokens=cfg.model.max_model_len * cfg.extract.concurrency,
     )
     t0 = time.time()
     log = out / ("server.log" if staging.name == ".staging" else f"server{staging.name.removeprefix('.staging')}.log")
     try:
-        with VllmServer(args, log_path=log, env=dict(os.environ),
+        with VllmServer(args, log_path=log, env=env,
                         startup_timeout=cfg.extract.startup_timeout_s) as server:
             stats["server_start_s"] = round(time.time() - t0, 1)
             t1 = time.time()
