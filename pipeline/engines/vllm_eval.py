@@ -12,7 +12,7 @@ again, ~19 s apiece on a 2-core AMD EPYC, so an engine start took 48 s there and
 same outputs and the same spec-decode counters (NOTES.md, "CPU dtype and engine starts"). Generation was
 faster too, mostly because vLLM's worker is bound to one core of two (the other is reserved for its scheduler)
 while in-process torch uses both, unbound: on a large multi-socket CPU host, where vLLM's NUMA binding
-matters, set EAGLE3_EVAL_ENGINE_PROCESSES=1 to keep vLLM's processes. GPU hosts keep vLLM's default (tensor
+matters, set EAGLE3_VLLM_ENGINE_PROCESSES=1 to keep vLLM's processes. GPU hosts keep vLLM's default (tensor
 parallelism needs the worker processes).
 """
 from __future__ import annotations

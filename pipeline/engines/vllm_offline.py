@@ -6,7 +6,7 @@ default engine-core and worker processes each import vLLM and torch again (~19 s
 and the worker is bound to one core of two (see pipeline.engines.vllm_eval, which runs its engine the same
 way). A child, not this process, because the caller may be a test session whose process goes on to load
 other models: the engine and its torch.distributed state end with the child. GPU hosts, tensor or pipeline
-parallelism, a distributed_executor_backend asked for, or EAGLE3_EVAL_ENGINE_PROCESSES=1 keep vllm.LLM here.
+parallelism, a distributed_executor_backend asked for, or EAGLE3_VLLM_ENGINE_PROCESSES=1 keep vllm.LLM here.
 """
 from __future__ import annotations
 
@@ -36,12 +36,13 @@ def cpu_only() -> bool:
 
 def in_process_engine(engine: dict) -> bool:
     """Whether a vLLM engine runs inside its process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor):
-    CPU-only, one worker, no executor asked for by the config, and no EAGLE3_EVAL_ENGINE_PROCESSES=1 (which
+    CPU-only, one worker, no executor asked for by the config, and no EAGLE3_VLLM_ENGINE_PROCESSES=1 (which
     keeps vLLM's own processes, e.g. for its NUMA binding on a large multi-socket CPU host). `engine` holds
-    vllm.LLM keyword arguments (the config's [engine] at least)."""
+    vllm.LLM keyword arguments (the config's [engine] at least). The one rule for prepare's engine (make_llm),
+    the extraction server's worker (pipeline.extract) and the eval engines (pipeline.engines.vllm_eval)."""
     import torch
 
-    if torch.cuda.is_available() or engine.get("distributed_executor_backend") or os.environ.get("EAGLE3_EVAL_ENGINE_PROCESSES") == "1":
+    if torch.cuda.is_available() or engine.get("distributed_executor_backend") or os.environ.get("EAGLE3_VLLM_ENGINE_PROCESSES") == "1":
         return False
     return int(engine.get("tensor_parallel_size") or 1) * int(engine.get("pipeline_parallel_size") or 1) == 1
 
