@@ -88,7 +88,7 @@ def extract_samples(cfg: Config, todo, out: Path, layer_ids: list[int], hidden: 
     The one place that picks the engine (tests replace it with a fake that writes correct files).
     """
     from .engines.vllm_offline import cpu_only
-    from .engines.vllm_server import VllmServer, VllmServerError, extraction_server_args
+    from .engines.vllm_server import VllmServer, VllmServerError, extraction_server_args, worker_in_engine_core
 
     stats = {"server_start_s": 0.0, "extract_s": 0.0, "tokens_extracted": 0}
     if cfg.extract.engine == "hf":
@@ -103,16 +103,9 @@ def extract_samples(cfg: Config, todo, out: Path, layer_ids: list[int], hidden: 
 
         stats.update(extract_legacy(cfg, todo, out, layer_ids, hidden))
         return stats
-    from .engines.vllm_offline import in_process_engine
-
-    extra = (["--trust-remote-code"] if cfg.model.trust_remote_code else []) + cfg.engine.cli_args()
-    env = dict(os.environ)
-    if in_process_engine(cfg.engine.llm_kwargs()):
-        # the worker inside the engine-core process: one process fewer, each importing vLLM and torch (~19 s on
-        # a 2-core CPU host), and the model runs unbound on every core (NOTES "CPU dtype and engine starts").
-        # The API server keeps its engine core apart whatever this says (AsyncLLM).
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        extra += ["--distributed-executor-backend", "uni"]
+    layout, layout_env = worker_in_engine_core(cfg.engine.llm_kwargs())  # CPU-only hosts: one process fewer
+    env = {**os.environ, **layout_env}
+    extra = (["--trust-remote-code"] if cfg.model.trust_remote_code else []) + cfg.engine.cli_args() + layout
     args = extraction_server_args(
         cfg.model_path, layer_ids, staging, cfg.model.max_model_len, dtype=cfg.model.dtype,
         on_cpu=cpu_only(), extra=extra, max_num_batched_tokens=cfg.model.max_model_len * cfg.extract.concurrency,

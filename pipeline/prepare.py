@@ -379,6 +379,7 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
         return regenerate_rounds(cfg, tok, selected, out, cache, generate_all)
     from .engines.vllm_offline import EngineProcess, close, generate, make_llm
 
+    # an engine process interrupted while it starts is killed by its own atexit hook (EngineProcess)
     llm = make_llm(
         cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=cfg.run.seed,
         trust_remote_code=cfg.model.trust_remote_code, enforce_eager=cfg.engine.enforce_eager,
@@ -393,7 +394,7 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
     try:
         stats = regenerate_rounds(cfg, tok, selected, out, cache, generate_all)
     finally:
-        close(llm)  # an engine process ends here, also on an error or SIGTERM (it unwinds like Ctrl-C)
+        close(llm)  # a started engine process ends here, also on an error or SIGTERM (it unwinds like Ctrl-C)
     stats["vllm_engine"] = "one child process" if isinstance(llm, EngineProcess) else "vLLM's processes"
     return stats
 

@@ -82,16 +82,19 @@ class EngineProcess:
         return [Generation(*g) for g in self._call(request, "generate")["generations"]]
 
     def close(self) -> None:
-        """EOF ends an idle engine (exit 0); one interrupted mid-request (an error, Ctrl-C, SIGTERM) is killed."""
-        atexit.unregister(self.close)
-        if self.proc.poll() is None and not self.busy:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=60)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        """EOF ends an idle engine (exit 0); one interrupted mid-request (an error, Ctrl-C, SIGTERM) is killed,
+        and so is one still running when the wait for its exit is itself interrupted."""
+        try:
+            if self.proc.poll() is None and not self.busy:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            atexit.unregister(self.close)
 
 
 def make_llm(model_path: str, *, max_model_len: int, dtype: str, seed: int, trust_remote_code: bool = False,

