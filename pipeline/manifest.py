@@ -133,6 +133,41 @@ def load_applier():
     return mod
 
 
+def speculators_patch_state(site: Path | None = None) -> dict:
+    """Whether the speculators this interpreter imports carries its patch series (patches/speculators/<version>).
+
+    Patches an image left out by tag (its /etc/eagle3-factory/patches.json "excluded") are not required. What the
+    train step records and checks: an unpatched wheel trains, but without the series' fixes (session 15's H200
+    resume differed from an uninterrupted run because the device's wheel lacked 0006)."""
+    ap = load_applier()
+    try:
+        site, version = ap.find_installed("speculators", site)
+        record = Path("/etc/eagle3-factory/patches.json")
+        excluded = json.loads(record.read_text()).get("excluded", []) if record.exists() else []
+        states = ap.series_status("speculators", site)
+    except (ap.PatchError, OSError, json.JSONDecodeError) as e:
+        return {"error": str(e)}
+    return {"version": version, "site": str(site), "series_sha256": ap.series_sha256("speculators", version),
+            "not_applied": [name for name, state, _ in states if state != "applied" and name not in excluded],
+            **({"excluded": excluded} if excluded else {})}
+
+
+def require_patched_speculators(site: Path | None = None) -> dict:
+    """speculators_patch_state(site), or a StepError naming the installation and the fix when the series is not fully
+    applied (EAGLE3_ALLOW_PARTIAL_PATCHES=1 lets it run anyway, recorded)."""
+    state = speculators_patch_state(site)
+    missing = state.get("error") or state["not_applied"]
+    if missing and os.environ.get("EAGLE3_ALLOW_PARTIAL_PATCHES") != "1":
+        where = state.get("site", "this interpreter's site-packages")
+        detail = state["error"] if "error" in state else f"not applied: {', '.join(state['not_applied'])}"
+        raise StepError(
+            f"speculators at {where} ({sys.executable}) is not fully patched ({detail}); apply the series with "
+            f"`python3 patches/apply.py apply --dist speculators --site {where}` (or `make setup` for the repo's "
+            f"venv), or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to run without it"
+        )
+    return state
+
+
 def git_commit() -> dict:
     def git(*args):
         try:

@@ -22,7 +22,7 @@ from .config import REPO_ROOT, Config
 from .extract import SPLITS, resolve_layer_ids
 from .hidden_states import META, file_name, header, truncation
 from .loops import mask_terminal_loops
-from .manifest import StepError, require_manifest
+from .manifest import StepError, require_manifest, require_patched_speculators
 
 
 def speculators_args(cfg: Config, out: Path, aux_ids: list[int], vocab_dir: Path) -> list[str]:
@@ -100,6 +100,7 @@ def build_data_dir(cfg: Config, data: Path) -> tuple[int, int, dict]:
 
 def run(cfg: Config, out: Path) -> dict:
     require_manifest(cfg, "verify")
+    patches = require_patched_speculators()
     vocab_dir = cfg.step_dir("vocab")
     meta = json.loads((cfg.step_dir("extract") / META).read_text())
     configured, n, _ = resolve_layer_ids(cfg)
@@ -144,6 +145,7 @@ def run(cfg: Config, out: Path) -> dict:
         "checkpoint": str(final),
         "untrained_checkpoint": str(untrained),
         "epochs": cfg.train.epochs,
+        "speculators_patches": patches,
         "train_samples": n_train,
         "val_samples": n_eval,
         **loss_tokens,

@@ -386,3 +386,23 @@ def test_unknown_series_tag_is_an_error(work):
     assert ei.value.code == 2
     proc = run_apply("status", "--dist", DIST, "--exclude-tag", "nonsense")
     assert proc.returncode == 2 and "nonsense" in proc.stderr
+
+
+def test_train_refuses_a_speculators_without_the_series(work, installed, monkeypatch):
+    """The train step's check (pipeline.manifest.require_patched_speculators): a pristine wheel is refused, naming
+    what is missing and the command that fixes it; the patched one passes; the opt-out runs and records the gap."""
+    sys.path.insert(0, str(REPO))
+    from pipeline.manifest import StepError, require_patched_speculators
+
+    tree = make_pristine_site(work / "site", installed)
+    monkeypatch.delenv("EAGLE3_ALLOW_PARTIAL_PATCHES", raising=False)
+    with pytest.raises(StepError) as e:
+        require_patched_speculators(tree)
+    msg = str(e.value)
+    assert "0006-full-precision-resume-state.patch" in msg and f"apply --dist speculators --site {tree}" in msg
+    monkeypatch.setenv("EAGLE3_ALLOW_PARTIAL_PATCHES", "1")
+    assert require_patched_speculators(tree)["not_applied"] == [p.name for p in PATCHES]
+    monkeypatch.delenv("EAGLE3_ALLOW_PARTIAL_PATCHES")
+    assert ap.apply_series(DIST, tree, compile_pyc=False).ok
+    state = require_patched_speculators(tree)
+    assert state["not_applied"] == [] and state["series_sha256"] == ap.series_sha256(DIST, VERSION)

@@ -60,6 +60,8 @@ def test_trained_checkpoint_carries_extraction_ids_and_vocab(trained_run):
     conf = json.loads((ckpt / "config.json").read_text())
     assert conf["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS[:-1] == s["eagle_aux_hidden_state_layer_ids"]
     check_draft_checkpoint(ckpt, LAYER_IDS[:-1], 2048, trained_run.step_dir("vocab"))
+    # the speculators that trained it carried the whole patch series (the train step refuses one that does not)
+    assert s["speculators_patches"]["not_applied"] == [] and s["speculators_patches"]["version"] == "0.9.0"
     rows = [json.loads(line) for line in (trained_run.step_dir("train") / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "train" in r]
     assert {"loss_0", "loss_1", "loss_2"} <= set(train_rows[0]["train"])
