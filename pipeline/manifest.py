@@ -133,39 +133,47 @@ def load_applier():
     return mod
 
 
-def speculators_patch_state(site: Path | None = None) -> dict:
-    """Whether the speculators this interpreter imports carries its patch series (patches/speculators/<version>).
+IMAGE_PATCH_RECORD = Path("/etc/eagle3-factory/patches.json")  # what an image's build applied (docker/Dockerfile)
 
-    Patches an image left out by tag (its /etc/eagle3-factory/patches.json "excluded") are not required. What the
-    train step records and checks: an unpatched wheel trains, but without the series' fixes (session 15's H200
-    resume differed from an uninterrupted run because the device's wheel lacked 0006)."""
+
+def speculators_patch_state(site: Path | None = None, record: Path = IMAGE_PATCH_RECORD) -> dict:
+    """Whether the speculators this interpreter imports (or the one in `site`) carries its patch series
+    (patches/speculators/<version>): {version, site, series_sha256, not_applied[, excluded]}, or {error[, site,
+    version]} when that cannot be told (not installed, no series for its version, no git to check with).
+
+    Patches an image left out by tag (`record`'s "excluded", for the same speculators version) are not required.
+    What the train step records and checks: an unpatched wheel trains, but without the series' fixes (the H200 runs
+    of sessions 8-15 lacked 0006, so a resumed run differed from an uninterrupted one)."""
     ap = load_applier()
     try:
         site, version = ap.find_installed("speculators", site)
-        record = Path("/etc/eagle3-factory/patches.json")
-        excluded = json.loads(record.read_text()).get("excluded", []) if record.exists() else []
+    except ap.PatchError as e:
+        return {"error": str(e)}
+    try:
+        made = json.loads(record.read_text()) if record.exists() else {}
+        excluded = made.get("excluded", []) if isinstance(made, dict) and made.get("version") == version else []
         states = ap.series_status("speculators", site)
     except (ap.PatchError, OSError, json.JSONDecodeError) as e:
-        return {"error": str(e)}
+        return {"error": str(e), "site": str(site), "version": version}
     return {"version": version, "site": str(site), "series_sha256": ap.series_sha256("speculators", version),
             "not_applied": [name for name, state, _ in states if state != "applied" and name not in excluded],
             **({"excluded": excluded} if excluded else {})}
 
 
-def require_patched_speculators(site: Path | None = None) -> dict:
+def require_patched_speculators(site: Path | None = None, record: Path = IMAGE_PATCH_RECORD) -> dict:
     """speculators_patch_state(site), or a StepError naming the installation and the fix when the series is not fully
-    applied (EAGLE3_ALLOW_PARTIAL_PATCHES=1 lets it run anyway, recorded)."""
-    state = speculators_patch_state(site)
-    missing = state.get("error") or state["not_applied"]
-    if missing and os.environ.get("EAGLE3_ALLOW_PARTIAL_PATCHES") != "1":
-        where = state.get("site", "this interpreter's site-packages")
-        detail = state["error"] if "error" in state else f"not applied: {', '.join(state['not_applied'])}"
-        raise StepError(
-            f"speculators at {where} ({sys.executable}) is not fully patched ({detail}); apply the series with "
-            f"`python3 patches/apply.py apply --dist speculators --site {where}` (or `make setup` for the repo's "
-            f"venv), or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to run without it"
-        )
-    return state
+    applied or cannot be checked (EAGLE3_ALLOW_PARTIAL_PATCHES=1 lets it run anyway; the state is recorded)."""
+    state = speculators_patch_state(site, record)
+    if not (state.get("error") or state["not_applied"]) or os.environ.get("EAGLE3_ALLOW_PARTIAL_PATCHES") == "1":
+        return state
+    where = f"speculators {state.get('version', '')} at {state['site']}" if "site" in state else "speculators"
+    fix = (f"apply the series with `python3 patches/apply.py apply --dist speculators --site {state['site']}` "
+           f"(`make setup` for the repo's venvs)" if "site" in state else "install it with `make setup`")
+    if "error" in state:
+        raise StepError(f"cannot check that {where} ({sys.executable}) carries its patch series: {state['error']}; "
+                        f"{fix}, or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to train without the check")
+    raise StepError(f"{where} ({sys.executable}) is not fully patched (not applied: {', '.join(state['not_applied'])}); "
+                    f"{fix}, or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to train without it")
 
 
 def git_commit() -> dict:

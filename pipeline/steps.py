@@ -64,10 +64,12 @@ def run(cfg: Config, step: str, force: bool = False, shard: tuple[int, int] | No
     if shard is not None and step not in SHARDABLE:
         raise StepError(f"--shard applies to {', '.join(SHARDABLE)} only, not '{step}'")
     module, sections, _, keep = STEPS[step]
+    mod = importlib.import_module(f"pipeline.{module}")
+    if hasattr(mod, "preflight"):  # refusals that must come before run_step empties the step's folder (--force)
+        mod.preflight(cfg)
     warn_slow_dtype(cfg, step)
     upstream, extra = upstream_of(cfg, step)
-    fn = importlib.import_module(f"pipeline.{module}").run
-    return run_step(cfg, step, fn, sections=sections, upstream=upstream, force=force, keep_partial=keep, shard=shard,
+    return run_step(cfg, step, mod.run, sections=sections, upstream=upstream, force=force, keep_partial=keep, shard=shard,
                     extra_inputs=extra)
 
 

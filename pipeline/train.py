@@ -98,6 +98,12 @@ def build_data_dir(cfg: Config, data: Path) -> tuple[int, int, dict]:
     return len(parts[0]), len(parts[1]), loss
 
 
+def preflight(cfg: Config) -> None:
+    """Before the step runner touches runs/<run>/train: a speculators without its patch series is refused here, so
+    `train --force` in a wrong environment keeps the checkpoints it has."""
+    require_patched_speculators()
+
+
 def run(cfg: Config, out: Path) -> dict:
     require_manifest(cfg, "verify")
     patches = require_patched_speculators()

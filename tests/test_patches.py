@@ -390,19 +390,51 @@ def test_unknown_series_tag_is_an_error(work):
 
 def test_train_refuses_a_speculators_without_the_series(work, installed, monkeypatch):
     """The train step's check (pipeline.manifest.require_patched_speculators): a pristine wheel is refused, naming
-    what is missing and the command that fixes it; the patched one passes; the opt-out runs and records the gap."""
-    sys.path.insert(0, str(REPO))
+    what is missing and the command that fixes it; the patched one passes; patches an image's record excluded (for
+    this version) are not required; no git is a clear refusal; the opt-out runs and records the gap."""
+    monkeypatch.syspath_prepend(str(REPO))
     from pipeline.manifest import StepError, require_patched_speculators
 
-    tree = make_pristine_site(work / "site", installed)
+    tree = make_pristine_site(work / "site", installed).resolve()
+    no_record = work / "no-record.json"
     monkeypatch.delenv("EAGLE3_ALLOW_PARTIAL_PATCHES", raising=False)
     with pytest.raises(StepError) as e:
-        require_patched_speculators(tree)
+        require_patched_speculators(tree, no_record)
     msg = str(e.value)
-    assert "0006-full-precision-resume-state.patch" in msg and f"apply --dist speculators --site {tree}" in msg
+    assert "0006-full-precision-resume-state.patch" in msg and f"apply --dist speculators --site {tree}`" in msg
+    record = work / "patches.json"
+    record.write_text(json.dumps({"dist": DIST, "version": VERSION, "excluded": [p.name for p in PATCHES]}))
+    assert require_patched_speculators(tree, record)["not_applied"] == []
+    record.write_text(json.dumps({"dist": DIST, "version": "0.0.1", "excluded": [p.name for p in PATCHES]}))
+    with pytest.raises(StepError):  # another version's record excuses nothing
+        require_patched_speculators(tree, record)
     monkeypatch.setenv("EAGLE3_ALLOW_PARTIAL_PATCHES", "1")
-    assert require_patched_speculators(tree)["not_applied"] == [p.name for p in PATCHES]
+    assert require_patched_speculators(tree, no_record)["not_applied"] == [p.name for p in PATCHES]
     monkeypatch.delenv("EAGLE3_ALLOW_PARTIAL_PATCHES")
     assert ap.apply_series(DIST, tree, compile_pyc=False).ok
-    state = require_patched_speculators(tree)
+    state = require_patched_speculators(tree, no_record)
     assert state["not_applied"] == [] and state["series_sha256"] == ap.series_sha256(DIST, VERSION)
+    monkeypatch.setenv("PATH", str(work / "empty-path"))  # no git to check with
+    with pytest.raises(StepError, match=f"cannot check that speculators {VERSION} at {tree} .*git"):
+        require_patched_speculators(tree, no_record)
+
+
+def test_train_refusal_comes_before_the_train_folder_is_emptied(work, monkeypatch):
+    """`train --force` in an environment the check refuses keeps the checkpoints already there."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import pipeline.train
+    from pipeline.config import load_config
+    from pipeline.manifest import StepError
+    from pipeline.steps import run
+
+    def refuse():
+        raise StepError("speculators is not fully patched (test)")
+
+    monkeypatch.setattr(pipeline.train, "require_patched_speculators", refuse)
+    cfg = load_config(REPO / "configs" / "smollm2-cpu-tiny.toml", {"run.runs_dir": str(work / "runs")})
+    kept = cfg.step_dir("train") / "checkpoints" / "0" / "model.safetensors"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"weights")
+    with pytest.raises(StepError, match="not fully patched"):
+        run(cfg, "train", force=True)
+    assert kept.read_bytes() == b"weights"

