@@ -145,14 +145,25 @@ def speculators_patch_state(site: Path | None = None, record: Path = IMAGE_PATCH
     What the train step records and checks: an unpatched wheel trains, but without the series' fixes (the H200 runs
     of sessions 8-15 lacked 0006, so a resumed run differed from an uninterrupted one)."""
     ap = load_applier()
-    try:
-        site, version = ap.find_installed("speculators", site)
-    except ap.PatchError as e:
-        return {"error": str(e)}
+    if site is None:  # where the package this interpreter imports lives (not where its dist-info is: a
+        # PYTHONPATH copy of the package shadows the installed one), and the installed version
+        spec = importlib.util.find_spec("speculators")
+        if spec is None or not spec.submodule_search_locations:
+            return {"error": f"speculators is not importable by {sys.executable}"}
+        site = Path(next(iter(spec.submodule_search_locations))).resolve().parent
+        try:
+            version = importlib.metadata.version("speculators")
+        except importlib.metadata.PackageNotFoundError:
+            return {"error": f"speculators at {site} has no installed distribution metadata", "site": str(site)}
+    else:
+        try:
+            site, version = ap.find_installed("speculators", site)
+        except ap.PatchError as e:
+            return {"error": str(e)}
     try:
         made = json.loads(record.read_text()) if record.exists() else {}
         excluded = made.get("excluded", []) if isinstance(made, dict) and made.get("version") == version else []
-        states = ap.series_status("speculators", site)
+        states = ap.series_status("speculators", site, version=version)
     except (ap.PatchError, OSError, json.JSONDecodeError) as e:
         return {"error": str(e), "site": str(site), "version": version}
     return {"version": version, "site": str(site), "series_sha256": ap.series_sha256("speculators", version),

@@ -31,33 +31,27 @@ from pathlib import Path
 
 from ..config import REPO_ROOT, Config
 from ..hidden_states import file_name
-from ..manifest import StepError, load_applier
+from ..manifest import StepError, speculators_patch_state
 
 SPECULATORS_VERSION = "0.3.0"
 CALL_BUDGETS = 2  # tokens per generate() call = 2 x the per-step token budget (the series handles > budget)
 
 
 def patch_state() -> dict:
-    """Which speculators is imported and whether the 0.3.0 series is fully applied to it."""
-    import importlib.metadata
-
-    import speculators
-
-    site = Path(speculators.__file__).resolve().parent.parent
-    version = importlib.metadata.version("speculators")
-    if version != SPECULATORS_VERSION:
+    """Which speculators is imported and whether the 0.3.0 series is fully applied to it (patches an image left out
+    by tag, e.g. 0002 `cpu-only` in the GPU images, are not required: manifest.speculators_patch_state)."""
+    state = speculators_patch_state()
+    if state.get("version") != SPECULATORS_VERSION:
         raise StepError(
-            f"the vllm-0.16 stack needs speculators=={SPECULATORS_VERSION}, this interpreter has {version} "
-            f"({sys.executable}); run the extract step with .venv-vllm-0.16/bin/python "
+            f"the vllm-0.16 stack needs speculators=={SPECULATORS_VERSION}, this interpreter has "
+            f"{state.get('version', 'none')} ({sys.executable}); run the extract step with .venv-vllm-0.16/bin/python "
             f"(build it with `docker/setup-venv.sh vllm-0.16 .venv-vllm-0.16`)"
         )
-    ap = load_applier()
-    states = ap.series_status("speculators", site, version=version)
-    return {
-        "speculators_path": str(site),
-        "series_sha256": ap.series_sha256("speculators", version),
-        "not_applied": [name for name, state, _ in states if state != "applied"],
-    }
+    if "error" in state:
+        raise StepError(f"cannot check the speculators {SPECULATORS_VERSION} patch series at {state['site']}: "
+                        f"{state['error']}")
+    return {"speculators_path": state["site"], "series_sha256": state["series_sha256"],
+            "not_applied": state["not_applied"]}
 
 
 def _env_int(name: str, default: int | None) -> int | None:
