@@ -171,20 +171,23 @@ def speculators_patch_state(site: Path | None = None, record: Path = IMAGE_PATCH
             **({"excluded": excluded} if excluded else {})}
 
 
-def require_patched_speculators(site: Path | None = None, record: Path = IMAGE_PATCH_RECORD) -> dict:
-    """speculators_patch_state(site), or a StepError naming the installation and the fix when the series is not fully
-    applied or cannot be checked (EAGLE3_ALLOW_PARTIAL_PATCHES=1 lets it run anyway; the state is recorded)."""
-    state = speculators_patch_state(site, record)
+def require_patched_speculators(site: Path | None = None, record: Path = IMAGE_PATCH_RECORD,
+                                state: dict | None = None) -> dict:
+    """speculators_patch_state(site) (or the `state` a caller already has), or a StepError naming the installation and
+    the fix when the series is not fully applied or cannot be checked (EAGLE3_ALLOW_PARTIAL_PATCHES=1 lets it run
+    anyway; the state is recorded). The one check for both stacks: the train step and the vllm-0.16 extraction."""
+    state = state or speculators_patch_state(site, record)
     if not (state.get("error") or state["not_applied"]) or os.environ.get("EAGLE3_ALLOW_PARTIAL_PATCHES") == "1":
         return state
     where = f"speculators {state.get('version', '')} at {state['site']}" if "site" in state else "speculators"
     fix = (f"apply the series with `python3 patches/apply.py apply --dist speculators --site {state['site']}` "
-           f"(`make setup` for the repo's venvs)" if "site" in state else "install it with `make setup`")
+           f"(`make setup [STACK=vllm-0.16]` rebuilds the repo's venvs)" if "site" in state
+           else "install it with `make setup [STACK=vllm-0.16]`")
     if "error" in state:
         raise StepError(f"cannot check that {where} ({sys.executable}) carries its patch series: {state['error']}; "
-                        f"{fix}, or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to train without the check")
+                        f"{fix}, or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to run without the check")
     raise StepError(f"{where} ({sys.executable}) is not fully patched (not applied: {', '.join(state['not_applied'])}); "
-                    f"{fix}, or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to train without it")
+                    f"{fix}, or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to run without it")
 
 
 def git_commit() -> dict:

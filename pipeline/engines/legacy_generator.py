@@ -31,15 +31,16 @@ from pathlib import Path
 
 from ..config import REPO_ROOT, Config
 from ..hidden_states import file_name
-from ..manifest import StepError, speculators_patch_state
+from ..manifest import StepError, require_patched_speculators, speculators_patch_state
 
 SPECULATORS_VERSION = "0.3.0"
 CALL_BUDGETS = 2  # tokens per generate() call = 2 x the per-step token budget (the series handles > budget)
 
 
 def patch_state() -> dict:
-    """Which speculators is imported and whether the 0.3.0 series is fully applied to it (patches an image left out
-    by tag, e.g. 0002 `cpu-only` in the GPU images, are not required: manifest.speculators_patch_state)."""
+    """Which speculators is imported and whether the 0.3.0 series is fully applied to it; refused unless it is
+    (manifest.require_patched_speculators: patches an image left out by tag, e.g. 0002 `cpu-only` in the GPU images,
+    are not required)."""
     state = speculators_patch_state()
     if state.get("version") != SPECULATORS_VERSION:
         raise StepError(
@@ -47,11 +48,9 @@ def patch_state() -> dict:
             f"{state.get('version', 'none')} ({sys.executable}); run the extract step with .venv-vllm-0.16/bin/python "
             f"(build it with `docker/setup-venv.sh vllm-0.16 .venv-vllm-0.16`)"
         )
-    if "error" in state:
-        raise StepError(f"cannot check the speculators {SPECULATORS_VERSION} patch series at {state['site']}: "
-                        f"{state['error']}")
-    return {"speculators_path": state["site"], "series_sha256": state["series_sha256"],
-            "not_applied": state["not_applied"]}
+    state = require_patched_speculators(state=state)  # refused unless fully patched or EAGLE3_ALLOW_PARTIAL_PATCHES=1
+    return {"speculators_path": state["site"], "series_sha256": state.get("series_sha256"),  # None: not checkable
+            "not_applied": state.get("not_applied", [f"unknown ({state.get('error')})"])}
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -122,11 +121,6 @@ def extract_legacy(cfg: Config, todo: list[tuple[str, int, list[int]]], out: Pat
     from tqdm import tqdm
 
     state = patch_state()
-    if state["not_applied"] and os.environ.get("EAGLE3_ALLOW_PARTIAL_PATCHES") != "1":
-        raise StepError(
-            f"speculators {SPECULATORS_VERSION} at {state['speculators_path']} is not fully patched "
-            f"(not applied: {state['not_applied']}); run `docker/setup-venv.sh vllm-0.16 .venv-vllm-0.16`"
-        )
     longest = max(len(ids) for _, _, ids in todo)
     if longest >= cfg.model.max_model_len:
         raise StepError(f"a sample has {longest} tokens; the generator needs fewer than model.max_model_len "
