@@ -123,6 +123,9 @@ check_lock = $(if $(filter cpu,$(FLAVOR)),$(check_lock_cpu),$(check_lock_gpu))
 check_lock_cpu = $(if $(filter sha256:%,$(CPU_BASE_LOCKED))$(filter 1,$(ALLOW_UNPINNED)),,$(error refusing to build $(IMAGE): $(LOCK_FILE) pins no eagle3-factory-base:$(CPU_BASE_SUITE). Run `make lock-images FLAVOR=cpu` (bootstraps the base and pins its layer digest)$(comma) commit $(LOCK_FILE) and docker/base/$(CPU_BASE_SUITE).packages; or set ALLOW_UNPINNED=1))
 check_lock_gpu = $(if $(VLLM_IMAGE_TAG),,$(error $(STACK_FILE) has no VLLM_IMAGE=))$(if $(filter true,$(BASE_PINNED))$(filter 1,$(ALLOW_UNPINNED)),,$(error refusing to build $(IMAGE): $(LOCK_FILE) has no digest for $(VLLM_IMAGE_TAG) ($(or $(LOCKED_DIGEST),no entry)). Run `make lock-images` on a host with network and docker buildx (docker buildx imagetools inspect)$(comma) commit $(LOCK_FILE)$(comma) and build again; or set ALLOW_UNPINNED=1 to build from the unpinned tag (not reproducible; the image is labelled base-pinned=false)))
 engine_ready = DOCKER=$(DOCKER) docker/engine.sh --check >/dev/null 2>&1 || { DOCKER=$(DOCKER) docker/engine.sh --check >&2; echo "fix: make engine (installs/starts Docker and compose where it can), or RUNNER=local (the CPU venv)" >&2; exit 2; }
+# One image build at a time per checkout: builds share .cache/build/host-files and HOST_FILES_PORT. A second
+# `make image` (e.g. the tests' while .ci/run's head-start build runs) waits here, then finds its layers cached.
+image_lock = mkdir -p .cache/build && exec 9>.cache/build/image.lock && { flock -n 9 || { echo "make image: another image build of this checkout is running; waiting for it (.cache/build/image.lock)" >&2; flock 9; }; };
 image_present = $(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || { echo "image $(IMAGE) not found: build it with make image STACK=$(STACK) FLAVOR=$(FLAVOR) (or RUNNER=local)" >&2; exit 2; }
 # bind-mount sources created as you before compose would create them as root
 mount_dirs = mkdir -p $(RUNS_DIR) data $(CACHE_DIR)
@@ -189,12 +192,12 @@ image: ## build the image of STACK and FLAVOR from its pinned base: make image S
 	$(check_stack)$(check_flavor)$(check_series)$(check_lock)
 	@$(engine_ready)
 ifeq ($(FLAVOR),cpu)
-	base=$$(LOCK_FILE=$(LOCK_FILE) ALLOW_UNPINNED=$(ALLOW_UNPINNED) docker/base.sh $(CPU_BASE_SUITE)); \
+	$(image_lock) base=$$(LOCK_FILE=$(LOCK_FILE) ALLOW_UNPINNED=$(ALLOW_UNPINNED) docker/base.sh $(CPU_BASE_SUITE)); \
 	pinned=$$([ "$$($(DOCKER) image inspect $$base --format '{{index .RootFS.Layers 0}}')" = "$(CPU_BASE_LOCKED)" ] && echo true || echo false); \
 	$(image_build)
 else
 	$(if $(filter true,$(BASE_PINNED)),,@echo "WARNING: $(IMAGE) from the unpinned tag $(VLLM_IMAGE_TAG) (ALLOW_UNPINNED=1)" >&2)
-	base=$(BASE_REF); pinned=$(BASE_PINNED); \
+	$(image_lock) base=$(BASE_REF); pinned=$(BASE_PINNED); \
 	$(image_build)
 endif
 images: ## build the image of every stack (docker/stacks/*.env) in FLAVOR
