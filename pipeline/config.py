@@ -138,6 +138,9 @@ class EvalConfig:
     # "mtbench" (first turns, the reference workload) or "heldout" (first user turns of this run's eval split:
     # the training distribution without its answers, to tell distribution shift from training defects)
     prompts: str = "mtbench"
+    # With prompts = "heldout" and several data.sources: only the held-out conversations of the source with this
+    # tag (the tags prepare's summary lists, e.g. "sharegpt-user-turns"); empty: the whole mix's held-out split.
+    heldout_source: str = ""
     # Prompts the transformers evaluator decodes together (its tokens/s are then at that batch; counters and
     # outputs stay those of batch 1). vLLM batches by itself: engine.max_num_seqs.
     hf_batch_size: int = 1
@@ -348,6 +351,9 @@ def _validate(cfg: Config, file: str) -> None:
         )
     if cfg.eval.num_speculative_tokens < 1:
         raise ConfigError(f"{file}: eval.num_speculative_tokens must be >= 1")
+    if cfg.eval.heldout_source and cfg.eval.prompts != "heldout":
+        raise ConfigError(f"{file}: eval.heldout_source = {cfg.eval.heldout_source!r} picks held-out prompts; it needs "
+                          f"eval.prompts = \"heldout\" (got {cfg.eval.prompts!r})")
     if cfg.eval.hf_batch_size < 1:
         raise ConfigError(f"{file}: eval.hf_batch_size must be >= 1 (prompts the transformers evaluator decodes together)")
     if cfg.train.nproc_per_node < 1 or cfg.train.nnodes < 1:

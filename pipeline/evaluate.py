@@ -47,7 +47,15 @@ def first_turns(cfg: Config) -> list[list[dict]]:
 
     # a repeated copy of a conversation (data.weights > 1, "origin") is the same prompt again: counted once
     held, ids = [], set()
-    for c in selected_conversations(cfg)[0]:
+    selected = selected_conversations(cfg)[0]
+    source = cfg.eval.heldout_source
+    if source:
+        tags = sorted({c.get("source", "") for c in selected} - {""})
+        if source not in tags:
+            raise StepError(f"eval.heldout_source = {source!r} in {cfg.source_path or 'the config'} is not a source of "
+                            f"this run's data: its sources are {tags or 'one file, with no tags (drop the key)'}")
+        selected = [c for c in selected if c["source"] == source]
+    for c in selected:
         if c["split"] == "eval" and c.get("origin", c["id"]) not in ids:
             ids.add(c.get("origin", c["id"]))
             held.append(c)

@@ -104,19 +104,26 @@ def serving_form(draft: Path, out: Path, cfg: Config) -> None:
 
 
 def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
-    """MT-bench and held-out acceptance of the drafter in `folder`, by the config's evaluator."""
+    """MT-bench and held-out acceptance of the drafter in `folder`, by the config's evaluator. With several
+    data.sources also the held-out prompts of each source alone ("heldout_by_source": e.g. ShareGPT's own held-out
+    conversations, which the mix's held-out set blends with the other sources')."""
     from .evaluate import evaluate_drafts
+    from .prepare import source_tags
 
-    results = {}
-    for prompts in ("mtbench", "heldout"):
+    def one(prompts: str, source: str = "") -> dict:
         c = copy.deepcopy(cfg)
-        c.eval.prompts = prompts
-        (work / f"eval-{prompts}").mkdir(parents=True, exist_ok=True)
-        r = evaluate_drafts(c, {"drafter": folder}, work / f"eval-{prompts}")
+        c.eval.prompts, c.eval.heldout_source = prompts, source
+        d = work / f"eval-{prompts}{'-' + source if source else ''}"
+        d.mkdir(parents=True, exist_ok=True)
+        r = evaluate_drafts(c, {"drafter": folder}, d)
         m = r["drafters"]["drafter"]
-        results[prompts] = {"prompts": r["prompts"], "engine": r["engine"], "max_tokens": r["max_tokens"],
-                            "num_speculative_tokens": r["num_speculative_tokens"], "dtype": r["dtype"],
-                            "baseline_tokens_per_s": r["baseline_tokens_per_s"], **{k: m[k] for k in SET_KEYS}}
+        return {"prompts": r["prompts"], "engine": r["engine"], "max_tokens": r["max_tokens"],
+                "num_speculative_tokens": r["num_speculative_tokens"], "dtype": r["dtype"],
+                "baseline_tokens_per_s": r["baseline_tokens_per_s"], **{k: m[k] for k in SET_KEYS}}
+
+    results = {p: one(p) for p in ("mtbench", "heldout")}
+    if len(cfg.data.sources) > 1:
+        results["heldout_by_source"] = {t: one("heldout", t) for t in source_tags(cfg.data.sources)}
     return results
 
 
@@ -146,7 +153,9 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     evals = evaluate(cfg, staged, work)
-    bad = [s for s, e in evals.items() if not e["all_outputs_identical"]]
+    sets = {**{s: e for s, e in evals.items() if s != "heldout_by_source"},
+            **{f"heldout:{t}": e for t, e in evals.get("heldout_by_source", {}).items()}}
+    bad = [s for s, e in sets.items() if not e["all_outputs_identical"]]
     if bad:
         raise StepError(f"{draft}: speculative outputs differ from the greedy target on {bad} ({work}); not shipped")
     results = {
@@ -163,7 +172,8 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
         "shipped_from": git_commit(),
         "reproduce": {
             "evaluate": "make model eval CONFIG=<a config whose eval.draft names this folder, e.g. "
-                        "configs/smollm2-shipped.toml>; held-out: add ARGS=\"--set eval.prompts=heldout\"",
+                        "configs/smollm2-shipped.toml>; held-out: add ARGS=\"--set eval.prompts=heldout\" (one source of a mix: "
+                        "--set eval.heldout_source=<tag>)",
             "ship": command,
         },
     }
@@ -173,6 +183,9 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
     print(f"[ship] {out}: {size / 1e6:.1f} MB, MT-bench AL {evals['mtbench']['acceptance_length']}, held-out AL "
           f"{evals['heldout']['acceptance_length']}, outputs identical {evals['mtbench']['outputs_identical_to_baseline']}"
           f" / {evals['heldout']['outputs_identical_to_baseline']}")
+    for t, e in evals.get("heldout_by_source", {}).items():
+        print(f"[ship]   held-out {t} alone: AL {e['acceptance_length']}, outputs identical "
+              f"{e['outputs_identical_to_baseline']}")
     return 0
 
 

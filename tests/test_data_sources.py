@@ -134,6 +134,29 @@ def test_heldout_prompts_come_from_the_mix_deterministically(work):
     assert len(turns) == len(held)  # a repeated copy (weight 2) is not a second eval prompt
 
 
+def test_heldout_prompts_of_one_source_of_the_mix(work):
+    """eval.heldout_source: exactly that source's held-out first turns (e.g. ShareGPT's own, out of a mix); an
+    unknown tag names the mix's tags; the key without eval.prompts = "heldout" is refused."""
+    from pipeline.evaluate import first_turns
+    from pipeline.manifest import StepError
+
+    a = write_jsonl(work / "alpha.jsonl", [conv(i, "tides") for i in range(30)])
+    b = write_jsonl(work / "beta.jsonl", [conv(i, "rivers") for i in range(30)])
+    path = mixed_config(work, [a, b], [1.0, 1.0]).source_path
+    both = first_turns(load_config(path, {"eval.prompts": "heldout"}))
+    mine = {}
+    for tag, word in (("alpha", "tides"), ("beta", "rivers")):
+        cfg = load_config(path, {"eval.prompts": "heldout", "eval.heldout_source": tag})
+        mine[tag] = [t[-1]["content"] for t in first_turns(cfg)]
+        held = [first_user(c) for c in selected_conversations(cfg)[0] if c["split"] == "eval" and c["source"] == tag]
+        assert mine[tag] and sorted(mine[tag]) == sorted(held) and all(word in q for q in mine[tag])
+    assert sorted(mine["alpha"] + mine["beta"]) == sorted(t[-1]["content"] for t in both)
+    with pytest.raises(StepError, match=r"'gamma' .* its sources are \['alpha', 'beta'\]"):
+        first_turns(load_config(path, {"eval.prompts": "heldout", "eval.heldout_source": "gamma"}))
+    with pytest.raises(ConfigError, match='needs eval.prompts = "heldout"'):
+        load_config(path, {"eval.heldout_source": "alpha"})
+
+
 @pytest.mark.parametrize("data, message", [
     ({"weights": [1.0]}, "data.weights has 1 entries but data.sources has 2"),
     ({"weights": [1.0, 0.0]}, "must all be > 0"),
