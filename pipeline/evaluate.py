@@ -76,6 +76,11 @@ def eval_prompts(cfg: Config, tok) -> list[list[int]]:
 
 
 SET_NAMES = {"mtbench": "MT-bench first turns", "heldout": "held-out first turns of the training data"}
+
+
+def set_name(r: dict) -> str:
+    name = SET_NAMES[r.get("prompt_set", "mtbench")]
+    return f"{name} (source {r['heldout_source']} alone)" if r.get("heldout_source") else name
 ENGINES = {"vllm": "pipeline.engines.vllm_eval", "hf": "pipeline.engines.hf_spec_eval"}
 
 
@@ -134,7 +139,8 @@ def evaluate_drafts(cfg: Config, drafts: dict[str, Path], out: Path) -> dict:
         runs[name] = run_engine(name, {**base_req, "speculative_config": spec}, out, cfg.eval.engine)
     base = runs["baseline"]
     report = {
-        "engine": cfg.eval.engine, "prompt_set": cfg.eval.prompts, "prompts": len(prompts), "max_tokens": cfg.eval.max_tokens,
+        "engine": cfg.eval.engine, "prompt_set": cfg.eval.prompts,
+        **({"heldout_source": cfg.eval.heldout_source} if cfg.eval.heldout_source else {}), "prompts": len(prompts), "max_tokens": cfg.eval.max_tokens,
         "num_speculative_tokens": k, "dtype": cfg.eval.dtype,
         "baseline_tokens_per_s": round(base["output_tokens"] / base["generation_s"], 1),
         "drafters": {},
@@ -199,7 +205,7 @@ def run(cfg: Config, out: Path) -> dict:
 def markdown(r: dict) -> str:
     k = r["num_speculative_tokens"]
     lines = [
-        f"# Acceptance on {SET_NAMES[r.get('prompt_set', 'mtbench')]} ({r['prompts']} prompts, greedy, K={k}, max_tokens={r['max_tokens']}, {r['dtype']})",
+        f"# Acceptance on {set_name(r)} ({r['prompts']} prompts, greedy, K={k}, max_tokens={r['max_tokens']}, {r['dtype']})",
         "",
         "| drafter | AL (1 + acc/drafts) | acceptance rate | " + " | ".join(f"pos {i}" for i in range(k))
         + " | tok/s | speedup | outputs = baseline |",
@@ -228,7 +234,7 @@ def plot(r: dict, path: Path) -> None:
     ax.set_xticks([i + width * (len(r["drafters"]) - 1) / 2 for i in range(k)], [f"pos {i}" for i in range(k)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("accepted / drafts")
-    ax.set_title(f"Per-position acceptance, {SET_NAMES[r.get('prompt_set', 'mtbench')]} ({r['prompts']} prompts, K={k})")
+    ax.set_title(f"Per-position acceptance, {set_name(r)} ({r['prompts']} prompts, K={k})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

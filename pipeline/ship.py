@@ -172,8 +172,9 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
         "shipped_from": git_commit(),
         "reproduce": {
             "evaluate": "make model eval CONFIG=<a config whose eval.draft names this folder, e.g. "
-                        "configs/smollm2-shipped.toml>; held-out: add ARGS=\"--set eval.prompts=heldout\" (one source of a mix: "
-                        "--set eval.heldout_source=<tag>)",
+                        "configs/smollm2-shipped.toml>; held-out: add ARGS=\"--set eval.prompts=heldout\"; a mix's held-out prompts "
+                        "also need its files as data.sources (recipe.data.sources), and --set "
+                        "eval.heldout_source=<tag> picks one source's (the config's comments have the commands)",
             "ship": command,
         },
     }

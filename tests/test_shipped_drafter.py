@@ -217,3 +217,32 @@ def test_heldout_eval_of_a_given_drafter_depends_on_the_data_settings():
     a = upstream_of(load_config(REPO / "configs" / "smollm2-shipped.toml", base), "eval")[1]
     b = upstream_of(load_config(REPO / "configs" / "smollm2-shipped.toml", {**base, "data.eval_fraction": 0.1}), "eval")[1]
     assert a["draft"] == b["draft"] and a != b
+
+
+def test_ship_scores_each_sources_heldout_prompts_of_a_mix(work, monkeypatch):
+    """A drafter trained on a mix: pipeline.ship scores MT-bench, the mix's held-out prompts, and each source's
+    held-out prompts alone (results.json eval.heldout_by_source); one source gets no per-source entry. The
+    evaluator itself is stood in for (the real one is test_vllm_serves_the_shipped_drafter's)."""
+    import pipeline.evaluate
+    from pipeline.ship import evaluate as ship_evaluate
+
+    asked = []
+
+    def fake(cfg, drafts, out):
+        asked.append((cfg.eval.prompts, cfg.eval.heldout_source))
+        m = {"acceptance_length": 2.0, "acceptance_rate": 0.3, "per_position_acceptance": [0.5, 0.3, 0.2],
+             "outputs_identical_to_baseline": "1/1", "all_outputs_identical": True, "tokens_per_s": 1.0, "speedup": 1.0}
+        return {"prompts": 1, "engine": "vllm", "max_tokens": 8, "num_speculative_tokens": 3, "dtype": "float32",
+                "baseline_tokens_per_s": 1.0, "drafters": {"drafter": m}}
+
+    monkeypatch.setattr(pipeline.evaluate, "evaluate_drafts", fake)
+    a, b = work / "alpha.jsonl", work / "beta.jsonl"
+    a.write_text("")
+    b.write_text("")
+    cfg = load_config(REPO / "configs" / "smollm2-quality.toml", {"data.sources": [str(a), str(b)]})
+    r = ship_evaluate(cfg, work / "drafter", work / "eval")
+    assert asked == [("mtbench", ""), ("heldout", ""), ("heldout", "alpha"), ("heldout", "beta")]
+    assert set(r) == {"mtbench", "heldout", "heldout_by_source"} and set(r["heldout_by_source"]) == {"alpha", "beta"}
+    asked.clear()
+    assert set(ship_evaluate(load_config(REPO / "configs" / "smollm2-quality.toml"), work / "d", work / "e2")) == {"mtbench", "heldout"}
+    assert asked == [("mtbench", ""), ("heldout", "")]
