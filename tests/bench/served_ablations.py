@@ -1,7 +1,7 @@
 """Every drafter of the SmolLM2 quality work served by vLLM (the CPU evaluator: MT-bench first turns, greedy, K=3),
 in one table and one plot, by what changed between them (issue 15, item 4).
 
-    python3 tests/bench/served_ablations.py [docs/quality-served.json] [--plot docs/quality-served-ablations.png]
+    .venv/bin/python tests/bench/served_ablations.py [docs/quality-served.json] [--plot docs/quality-served-ablations.png]
 
 The figures live in docs/quality-served.json, one row per drafter with the session and the command that measured
 it (NOTES.md, "Drafter quality", has each run). The drafters themselves were trained on the lent H200 and, except
