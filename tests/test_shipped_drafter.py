@@ -236,13 +236,23 @@ def test_ship_scores_each_sources_heldout_prompts_of_a_mix(work, monkeypatch):
                 "baseline_tokens_per_s": 1.0, "drafters": {"drafter": m}}
 
     monkeypatch.setattr(pipeline.evaluate, "evaluate_drafts", fake)
-    a, b = work / "alpha.jsonl", work / "beta.jsonl"
-    a.write_text("")
-    b.write_text("")
-    cfg = load_config(REPO / "configs" / "smollm2-quality.toml", {"data.sources": [str(a), str(b)]})
-    r = ship_evaluate(cfg, work / "drafter", work / "eval")
+    def source(name: str, word: str, n: int):
+        lines = [json.dumps({"id": str(i), "conversations": [
+            {"from": "human", "value": f"Tell me curious fact number {i} about {word}, and why {word} behave so."},
+            {"from": "gpt", "value": "Here is a careful answer."}]}) for i in range(n)]
+        (work / f"{name}.jsonl").write_text("".join(x + "\n" for x in lines))
+        return str(work / f"{name}.jsonl")
+
+    quality = REPO / "configs" / "smollm2-quality.toml"
+    mix = {"data.sources": [source("alpha", "tides", 40), source("beta", "rivers", 40)], "data.max_conversations": 0,
+           "data.eval_fraction": 0.3}
+    r = ship_evaluate(load_config(quality, mix), work / "drafter", work / "eval")
     assert asked == [("mtbench", ""), ("heldout", ""), ("heldout", "alpha"), ("heldout", "beta")]
     assert set(r) == {"mtbench", "heldout", "heldout_by_source"} and set(r["heldout_by_source"]) == {"alpha", "beta"}
-    asked.clear()
-    assert set(ship_evaluate(load_config(REPO / "configs" / "smollm2-quality.toml"), work / "d", work / "e2")) == {"mtbench", "heldout"}
-    assert asked == [("mtbench", ""), ("heldout", "")]
+    asked.clear()  # one source: its held-out figure is the mix's
+    r = ship_evaluate(load_config(quality, {**mix, "data.sources": mix["data.sources"][:1]}), work / "d", work / "e2")
+    assert set(r) == {"mtbench", "heldout"} and asked == [("mtbench", ""), ("heldout", "")], asked
+    asked.clear()  # a second source whose only conversation is trained on: no held-out figure of its own
+    r = ship_evaluate(load_config(quality, {**mix, "data.sources": [mix["data.sources"][0], source("gamma", "violins", 1)]}),
+                      work / "d", work / "e3")
+    assert set(r["heldout_by_source"]) == {"alpha"} and ("heldout", "gamma") not in asked, asked

@@ -43,7 +43,8 @@ if [ "$FLAVOR" = cpu ] && [ -n "$(get TORCH_CPU_WHEEL)" ]; then
   echo "host-files: lending the build $wheel (sha256 verified)"
 fi
 
-python3 -m http.server --bind 127.0.0.1 --directory "$DIR" "$PORT" > .cache/build/host-files.log 2>&1 &
+# 9>&-: not holding make image's build lock (Makefile, image_lock) should this server ever outlive the build
+python3 -m http.server --bind 127.0.0.1 --directory "$DIR" "$PORT" > .cache/build/host-files.log 2>&1 9>&- &
 server=$!
 trap 'rc=$?; kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true; rm -rf "$DIR"; exit $rc' EXIT
 for _ in $(seq 50); do
