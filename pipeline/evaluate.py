@@ -43,19 +43,18 @@ def first_turns(cfg: Config) -> list[list[dict]]:
         return [[{"role": "user", "content": q["turns"][0]}] for q in load_mtbench(cfg.run.stack)][: cfg.eval.max_prompts]
     if cfg.eval.prompts != "heldout":
         raise StepError(f"eval.prompts = {cfg.eval.prompts!r} in {cfg.source_path or 'the config'}; use 'mtbench' or 'heldout'")
-    from .prepare import selected_conversations
+    from .prepare import selected_conversations, source_tags
 
     # a repeated copy of a conversation (data.weights > 1, "origin") is the same prompt again: counted once
     held, ids = [], set()
-    selected = selected_conversations(cfg)[0]
     source = cfg.eval.heldout_source
-    if source:
-        tags = sorted({c.get("source", "") for c in selected} - {""})
-        if source not in tags:
-            raise StepError(f"eval.heldout_source = {source!r} in {cfg.source_path or 'the config'} is not a source of "
-                            f"this run's data: its sources are {tags or 'one file, with no tags (drop the key)'}")
-        selected = [c for c in selected if c["source"] == source]
-    for c in selected:
+    tags = source_tags(cfg.data.sources)  # the tags a mix's conversations carry (none without data.sources)
+    if source and source not in tags:
+        raise StepError(f"eval.heldout_source = {source!r} in {cfg.source_path or 'the config'} is not a source of "
+                        f"this run's data: its sources are {tags or 'one file, with no tags (drop the key)'}")
+    for c in selected_conversations(cfg)[0]:
+        if source and c["source"] != source:
+            continue
         if c["split"] == "eval" and c.get("origin", c["id"]) not in ids:
             ids.add(c.get("origin", c["id"]))
             held.append(c)
@@ -76,12 +75,12 @@ def eval_prompts(cfg: Config, tok) -> list[list[int]]:
 
 
 SET_NAMES = {"mtbench": "MT-bench first turns", "heldout": "held-out first turns of the training data"}
+ENGINES = {"vllm": "pipeline.engines.vllm_eval", "hf": "pipeline.engines.hf_spec_eval"}
 
 
 def set_name(r: dict) -> str:
     name = SET_NAMES[r.get("prompt_set", "mtbench")]
     return f"{name} (source {r['heldout_source']} alone)" if r.get("heldout_source") else name
-ENGINES = {"vllm": "pipeline.engines.vllm_eval", "hf": "pipeline.engines.hf_spec_eval"}
 
 
 def run_engine(name: str, request: dict, out: Path, engine: str = "vllm") -> dict:

@@ -108,7 +108,7 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
     data.sources also the held-out prompts of each source alone ("heldout_by_source": e.g. ShareGPT's own held-out
     conversations, which the mix's held-out set blends with the other sources')."""
     from .evaluate import evaluate_drafts
-    from .prepare import selected_conversations, source_tags
+    from .prepare import selected_conversations
 
     def one(prompts: str, source: str = "") -> dict:
         c = copy.deepcopy(cfg)
@@ -121,12 +121,13 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
                 "num_speculative_tokens": r["num_speculative_tokens"], "dtype": r["dtype"],
                 "baseline_tokens_per_s": r["baseline_tokens_per_s"], **{k: m[k] for k in SET_KEYS}}
 
-    # the sources with held-out conversations (one the MT-bench filter or de-duplication emptied has none),
-    # known before the long evaluations start
-    held = {c["source"] for c in selected_conversations(cfg)[0] if c["split"] == "eval"} if len(cfg.data.sources) > 1 else set()
+    # the sources with held-out conversations (prepare's per-source summary; one the MT-bench filter or
+    # de-duplication emptied has none), known before the long evaluations start
+    held = ([s["tag"] for s in selected_conversations(cfg)[1].sources if s["selected_eval"]]
+            if len(cfg.data.sources) > 1 else [])
     results = {p: one(p) for p in ("mtbench", "heldout")}
     if held:
-        results["heldout_by_source"] = {t: one("heldout", t) for t in source_tags(cfg.data.sources) if t in held}
+        results["heldout_by_source"] = {t: one("heldout", t) for t in held}
     return results
 
 
