@@ -11,11 +11,13 @@ conversation is stored without it, so prepare regenerates the answer under the t
 MT-bench and a plain chat request see it.
 
 Sampling: pure temperature (hf_engine.generate; transformers, on the GPU when there is one), one torch generator
-seeded by run.seed: the same config, seed, device and batch size give the same file. vLLM is not used here: one
-seeded SamplingParams for many identical prompts gives every one the same answer.
+seeded by run.seed, drawn batch by batch: the same config, n, seed, batch size, device and torch/transformers
+versions give the same file (tested on CPU; not repeated on a GPU). vLLM is not used here: one seeded
+SamplingParams for many identical prompts gives every one the same answer.
 
 Kept, in this order (each drop counted in `<out>.sources.json`): a request that ended at the end-of-turn token
-(not cut at --max-new-tokens), of at least MIN_CHARS characters, not a duplicate of an earlier one (normalised,
+(not cut at --max-new-tokens) with no other special token before it (decoding would drop it silently: a
+request running on into a made-up assistant turn), of at least MIN_CHARS characters, not a duplicate of an earlier one (normalised,
 as prompt_sets does), and no MT-bench near-duplicate (`datasets.near_duplicates`; prepare checks every source
 again). Output records are prompt_sets' format: `{"id", "set": <category>, "conversations": [human, gpt]}`, the
 gpt turn the placeholder answer (for `data.regenerate = "first_turn"` or `"all_turns"` only).
@@ -34,7 +36,10 @@ from .prompt_sets import PLACEHOLDER, normalise, write_records
 
 MIN_CHARS = 12
 # (category, share of the prompts, system prompt that steers the request while it is written; None: the target's
-# default context). General chat's usual kinds of task; the shares are a choice, not tuned.
+# default context). The eight kinds are MT-bench's own categories (its "STEM" named science here): the reference
+# workload is general chat, and these are the kinds of task it is scored on. That steers topics, not items (no
+# MT-bench question is shown to the target, and the near-duplicate check runs on every request); judge a draft
+# trained on them on the held-out ShareGPT prompts as well (`eval.heldout_source`). The shares are a choice, not tuned.
 CATEGORIES = [
     ("default", 0.40, None),
     ("writing", 0.075, "You are a writing assistant. Users ask you to write stories, poems, emails, blog posts, "
@@ -60,7 +65,10 @@ def request_prefix(tok, system: str | None) -> list[int]:
     """Token ids of the chat template up to the start of a user turn's text (the system turn first, if any)."""
     marker = "\x00REQUEST\x00"
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
-    text = tok.apply_chat_template(msgs, tokenize=False)
+    try:
+        text = tok.apply_chat_template(msgs, tokenize=False)
+    except Exception as e:  # a template without a chat format, or one that refuses a system turn
+        raise StepError(f"the target's chat template cannot render {[m['role'] for m in msgs]}: {e}") from e
     if marker not in text:
         raise StepError("the target's chat template does not show a user turn's text; self_prompts needs one")
     return tok(text[: text.index(marker)], add_special_tokens=False).input_ids
@@ -75,16 +83,18 @@ def counts(n: int) -> list[int]:
     return each
 
 
-def select(generations: list[tuple[str, str, str]], questions: list[str]) -> tuple[list[dict], dict]:
-    """(category, text, finish_reason) per generation -> kept records and drops by reason (see the module doc)."""
+def select(generations: list[tuple[str, str, str, bool]], questions: list[str]) -> tuple[list[dict], dict]:
+    """(category, text, finish_reason, special token before the end) per generation -> kept records and drops by
+    reason (see the module doc)."""
     from .datasets import near_duplicates
 
     dropped: dict[str, int] = {}
     seen: set[str] = set()
     kept = []
-    for i, (cat, text, reason) in enumerate(generations):
+    for i, (cat, text, reason, special) in enumerate(generations):
         text = text.strip()
         why = ("unfinished (hit --max-new-tokens)" if reason != "stop" else
+               "special token before the end of the request" if special else
                f"shorter than {MIN_CHARS} characters" if len(text) < MIN_CHARS else
                "duplicate" if normalise(text) in seen else None)
         if why:
@@ -104,6 +114,7 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
           batch_size: int, seed: int, progress: bool = True) -> dict:
     """Write `out` and `<out>.sources.json`; returns the sidecar's content."""
     import torch
+    import transformers
 
     from .engines import hf_engine
     from .prepare import load_tokenizer
@@ -120,7 +131,9 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
     gens = hf_engine.generate(cfg.model_path, prompts, dtype=cfg.model.dtype, batch_size=batch_size,
                               trust_remote_code=cfg.model.trust_remote_code, max_new_tokens=max_new_tokens,
                               temperature=temperature, seed=seed, progress=progress)
-    records, dropped = select([(c, g.text, g.finish_reason) for c, g in zip(cats, gens)], questions)
+    special = set(tok.all_special_ids)
+    records, dropped = select([(c, g.text, g.finish_reason, any(t in special for t in g.token_ids[:-1]))
+                               for c, g in zip(cats, gens)], questions)
     write_records(records, out)
     per_cat = {name: {"asked": k, "kept": sum(r["set"] == name for r in records), "system_prompt_while_writing": s}
                for (name, _, s), k in zip(CATEGORIES, counts(n))}
@@ -133,7 +146,7 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
         "sampling": {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed,
                      "batch_size": batch_size, "engine": "transformers (pipeline.engines.hf_engine)",
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                     "torch": torch.__version__},
+                     "torch": torch.__version__, "transformers": transformers.__version__},
         "asked": n, "dropped": dropped, "dropped_total": sum(dropped.values()),
         "mtbench_questions_checked": len(questions), "categories": per_cat,
         "seconds": round(time.time() - t0, 1),
@@ -145,7 +158,7 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
 
 def main(argv=None) -> int:
     from .__main__ import parse_set
-    from .config import load_config
+    from .config import ConfigError, load_config
     from .datasets import load_mtbench
     from .env import setup_env
 
@@ -168,7 +181,7 @@ def main(argv=None) -> int:
         side = build(cfg, args.n, out, questions, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                      batch_size=args.batch_size or cfg.data.batch_size,
                      seed=cfg.run.seed if args.seed is None else args.seed)
-    except StepError as e:
+    except (ConfigError, StepError) as e:
         print(f"self_prompts: {e}", file=sys.stderr)
         return 1
     for name, c in side["categories"].items():

