@@ -56,6 +56,16 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return ids if isinstance(ids, list) else ids["input_ids"]
 
 
+def prompt_ids_batch(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
+    """prompt_ids for many prompts in one call: the template renders each, and a fast tokenizer encodes the batch in
+    parallel (prepare's regeneration rounds: 53k prompts took ~70 s one by one on the H200). Equal to prompt_ids
+    element by element (tests/test_datasets.py)."""
+    if not prompts:
+        return []
+    out = tokenizer.apply_chat_template(prompts, tokenize=True, add_generation_prompt=True)
+    return out if isinstance(out, list) else out["input_ids"]
+
+
 def template_renders_reasoning(tokenizer) -> bool:
     """Whether the chat template renders an assistant message's `reasoning_content` field."""
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": _PROBE}]

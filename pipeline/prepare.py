@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, prompt_ids, tokenize_conversation
+from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, prompt_ids_batch, tokenize_conversation
 from .config import PACKAGED_SOURCES, Config, repo_relative
 from .datasets import LoadReport, load_conversations, load_mtbench, near_duplicates
 from .engines.vllm_offline import Generation
@@ -423,11 +423,9 @@ def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: 
     rounds = 1 if cfg.data.regenerate == "first_turn" else max(len(u) for u in users.values())
     for r in range(rounds):
         ids, prompts, ended = [], [], []
-        for cid in pending:
-            if r >= len(users[cid]):
-                ended.append(cid)
-                continue
-            prompt = prompt_ids(tok, history[cid] + [users[cid][r]])
+        asking = [cid for cid in pending if r < len(users[cid])]
+        ended += [cid for cid in pending if r >= len(users[cid])]
+        for cid, prompt in zip(asking, prompt_ids_batch(tok, [history[cid] + [users[cid][r]] for cid in asking])):
             if len(prompt) > budget:
                 # the conversation ends here: a later user turn without this one would answer a question
                 # asked in a context that never happened

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pipeline.chat import tokenize_conversation
+from pipeline.chat import prompt_ids, prompt_ids_batch, tokenize_conversation
 from pipeline.datasets import LoadReport, load_conversations, near_duplicates, normalize, recover_json_array
 from pipeline.manifest import StepError
 
@@ -74,6 +74,22 @@ def test_near_duplicate_detection():
         {"id": "other", "messages": [{"role": "user", "content": "Write a poem about the sea and the sky at dawn."}, {"role": "assistant", "content": "x"}]},
     ]
     assert near_duplicates(convs, [q]) == {"copy"}
+
+
+def test_batched_prompt_ids_equal_one_by_one(smollm2):
+    """prepare's rounds key their answers by prompt token ids, so the batched form must give exactly the ids of
+    prompt_ids: checked on the packaged ShareGPT's multi-turn prompts (system turns, long histories, non-ASCII)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    convs, _ = load_conversations("vllm-0.32")
+    prompts = []
+    for c in convs[:150]:
+        msgs = [m for m in c["messages"] if m["role"] in ("system", "user", "assistant")]
+        prompts += [msgs[: i + 1] for i, m in enumerate(msgs) if m["role"] == "user"]
+    assert len(prompts) > 300 and max(len(p) for p in prompts) > 9
+    assert prompt_ids_batch(tok, prompts) == [prompt_ids(tok, p) for p in prompts]
+    assert prompt_ids_batch(tok, []) == []
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(smollm2):
