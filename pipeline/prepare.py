@@ -422,9 +422,9 @@ def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: 
     users = {c["id"]: [m for m in c["messages"] if m["role"] == "user"] for c in selected}
     rounds = 1 if cfg.data.regenerate == "first_turn" else max(len(u) for u in users.values())
     for r in range(rounds):
-        ids, prompts, ended = [], [], []
+        ids, prompts = [], []
         asking = [cid for cid in pending if r < len(users[cid])]
-        ended += [cid for cid in pending if r >= len(users[cid])]
+        ended = [cid for cid in pending if r >= len(users[cid])]
         for cid, prompt in zip(asking, prompt_ids_batch(tok, [history[cid] + [users[cid][r]] for cid in asking])):
             if len(prompt) > budget:
                 # the conversation ends here: a later user turn without this one would answer a question

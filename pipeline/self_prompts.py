@@ -93,14 +93,15 @@ def select(generations: list[tuple[str, str, str, bool]], questions: list[str]) 
     kept = []
     for i, (cat, text, reason, special) in enumerate(generations):
         text = text.strip()
+        key = normalise(text)
         why = ("unfinished (hit --max-new-tokens)" if reason != "stop" else
                "special token before the end of the request" if special else
                f"shorter than {MIN_CHARS} characters" if len(text) < MIN_CHARS else
-               "duplicate" if normalise(text) in seen else None)
+               "duplicate" if key in seen else None)
         if why:
             dropped[why] = dropped.get(why, 0) + 1
             continue
-        seen.add(normalise(text))
+        seen.add(key)
         kept.append({"id": f"{cat}-{i:06d}", "set": cat,
                      "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": PLACEHOLDER}]})
     msgs = [{"id": r["id"], "messages": [{"role": "user", "content": r["conversations"][0]["value"]}]} for r in kept]
@@ -123,8 +124,9 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
         raise StepError(f"--n {n}: ask for at least one prompt")
     t0 = time.time()
     tok = load_tokenizer(cfg)
+    asked = counts(n)
     cats, prompts = [], []
-    for (name, _, system), k in zip(CATEGORIES, counts(n)):
+    for (name, _, system), k in zip(CATEGORIES, asked):
         ids = request_prefix(tok, system)
         cats += [name] * k
         prompts += [ids] * k
@@ -136,7 +138,7 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
                                for c, g in zip(cats, gens)], questions)
     write_records(records, out)
     per_cat = {name: {"asked": k, "kept": sum(r["set"] == name for r in records), "system_prompt_while_writing": s}
-               for (name, _, s), k in zip(CATEGORIES, counts(n))}
+               for (name, _, s), k in zip(CATEGORIES, asked)}
     sidecar = {
         "output": repo_relative(out), "output_sha256": sha256_file(out), "conversations": len(records),
         "format": "prompt_sets' format: one user turn (written by the target) + the placeholder answer",

@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     out = cfg.step_dir("prepare")
     out.mkdir(parents=True, exist_ok=True)
     opener = gzip.open if args.conversations.suffix == ".gz" else open
-    rounds, prompts, gens = [], [], []
+    rounds, prompts, answers = [], [], []
     by_id, unmatched = None, 0
     with opener(args.conversations, "rt") as f:
         for line in f:
@@ -75,13 +75,13 @@ def main(argv: list[str]) -> int:
                     break
                 rounds.append(r)
                 prompts.append(history + [user])
-                gens.append(answer["content"])
+                answers.append(answer["content"])
                 history += [user, answer]
     # tokenized in two batched calls (one by one took ~100 s for 53k rounds on the H200)
-    answer_ids = tok(gens, add_special_tokens=False)["input_ids"] if gens else []
+    answer_ids = tok(answers, add_special_tokens=False)["input_ids"] if answers else []
     keys = [RegenCache.key(r, p) for r, p in zip(rounds, prompt_ids_batch(tok, prompts))]
     gens = [Generation(text, ids, "length" if len(ids) >= cfg.data.max_new_tokens else "stop")
-            for text, ids in zip(gens, answer_ids)]
+            for text, ids in zip(answers, answer_ids)]
     (out / REGEN_CACHE).unlink(missing_ok=True)
     cache = RegenCache(out / REGEN_CACHE)
     cache.add(keys, gens)
