@@ -58,8 +58,9 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def prompt_ids_batch(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
     """prompt_ids for many prompts in one call: the template renders each, and a fast tokenizer encodes the batch in
-    parallel (prepare's regeneration rounds: 53k prompts took ~70 s one by one on the H200). Equal to prompt_ids
-    element by element (tests/test_datasets.py)."""
+    parallel (prepare's regeneration rounds: one by one ~1 ms a prompt on this 2-core machine, about a minute for
+    the 53k of session 18's mix; tests/bench/prompt_tokenization.py). Equal to prompt_ids element by element
+    (tests/test_datasets.py)."""
     if not prompts:
         return []
     out = tokenizer.apply_chat_template(prompts, tokenize=True, add_generation_prompt=True)
