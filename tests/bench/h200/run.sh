@@ -336,10 +336,11 @@ case $PHASE in
     echo "[s8] chain done $(date +%s)" ;;
   s8-wait)
     # Hold the machine up to BUDGET seconds; leave early only when a draft is due or the chain has ended (session
-    # 19: leaving early for the regeneration cost a turnaround, and a late next call loses the machine, the chain with
-    # it). Sends the regeneration (when it made answers the seed lacked), then each draft when it has finished (slim, tars in 15-MB pieces; as
-    # many as fit 60 MB per call: one 16k draft is 36 MB, so one per call), with ALSO_EPOCH its epoch-N checkpoint
-    # too, and the newest epoch of each draft still training when the deadline is near; logs, manifests, speed always.
+    # 19: leaving early for the regeneration cost a turnaround, and a late next call loses the machine, the chain
+    # with it). Sends the regeneration (when it made answers the seed lacked), then each draft when it has finished
+    # (slim, tars in 15-MB pieces; as many as fit 60 MB per call: one 16k draft is 36 MB, so one per call), with
+    # ALSO_EPOCH its epoch-N checkpoint too, and the newest epoch of each draft still training when the deadline is
+    # near; logs, manifests, speed always.
     mkdir -p .cache/h200-send
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
     RUNS="s8-allturns $(draft_names)"
