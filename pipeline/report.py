@@ -29,12 +29,10 @@ def build(cfg: Config) -> str:
         f"- Data: {get('prepare', 'records_recovered')} ShareGPT records recovered, {get('prepare', 'usable_conversations')} usable, "
         f"{get('prepare', 'train_samples')} train / {get('prepare', 'eval_samples')} eval samples, {get('prepare', 'tokens')} tokens "
         f"({get('prepare', 'assistant_tokens')} assistant), answers regenerated: {get('prepare', 'regenerate')}.",
-        f"- Hidden states: layer ids {get('extract', 'layer_ids')} ({get('extract', 'layer_id_convention')} convention), "
-        f"{get('extract', 'bytes', 0) / 1e6:.1f} MB, {get('extract', 'bytes_per_token')} bytes/token, "
-        f"{get('extract', 'tokens_per_s')} tokens/s extraction.",
-        f"- Verify: {get('verify', 'files_checked')} files checked, parity on {get('verify', 'parity_files')}; "
-        f"min mean cosine per layer {get('verify', 'min_mean_cosine_per_layer')}.",
-        *verify_lines(get("verify", "checks", {}) or {}),
+        *(hidden_state_lines(get) if cfg.train.hidden_states == "disk" else [
+            f"- Hidden states: streamed (train.hidden_states = \"stream\"): the target computed layers "
+            f"{get('train', 'eagle_aux_hidden_state_layer_ids')} + the last of each batch inside training; no "
+            f"extraction files, so nothing for verify to check."]),
         f"- Draft vocab: {get('vocab', 'draft_vocab_size')} of {get('vocab', 'target_vocab_size')} tokens, coverage "
         f"{get('vocab', 'coverage_train')} (train) / {get('vocab', 'coverage_eval')} (eval).",
         f"- Training: {get('train', 'epochs')} epochs on {get('train', 'train_samples')} samples, final val {get('train', 'final_val')}, "
@@ -73,6 +71,17 @@ def run(cfg: Config, out: Path) -> dict:
     (out / "report.md").write_text(text)
     print("\n" + text)
     return {"summary": {"report": str(out / "report.md")}}
+
+
+def hidden_state_lines(get) -> list[str]:
+    return [
+        f"- Hidden states: layer ids {get('extract', 'layer_ids')} ({get('extract', 'layer_id_convention')} convention), "
+        f"{get('extract', 'bytes', 0) / 1e6:.1f} MB, {get('extract', 'bytes_per_token')} bytes/token, "
+        f"{get('extract', 'tokens_per_s')} tokens/s extraction.",
+        f"- Verify: {get('verify', 'files_checked')} files checked, parity on {get('verify', 'parity_files')}; "
+        f"min mean cosine per layer {get('verify', 'min_mean_cosine_per_layer')}.",
+        *verify_lines(get("verify", "checks", {}) or {}),
+    ]
 
 
 def verify_lines(checks: dict) -> list[str]:

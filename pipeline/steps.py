@@ -32,6 +32,15 @@ def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
     and the drafter's files stand in for the train step's outputs in its fingerprint; prepare of a mix
     (data.sources) has its files' contents in its fingerprint."""
     upstream = STEPS[step][2]
+    if cfg.train.hidden_states == "stream" and step in ("train", "report"):
+        # the target computes the hidden states inside train: no extract or verify upstream; what it computes
+        # with (layer ids, dtype) stands in for the extraction's manifest in train's fingerprint
+        if step == "report":
+            return tuple(s for s in upstream if s not in ("extract", "verify")), {}
+        from .train import stream_spec
+
+        spec = stream_spec(cfg)
+        return ("model", "prepare", "vocab"), {"stream": {k: spec[k] for k in ("layer_ids", "dtype")}}
     if step == "prepare" and cfg.data.sources:  # the files' contents, not only their names (the packaged one is pinned)
         from .config import PACKAGED_SOURCES
 

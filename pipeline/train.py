@@ -5,6 +5,7 @@ Layout in runs/<run>/train/:
                   eval rows (a Hugging Face dataset; speculators' contiguous split with
                   --train-data-ratio puts exactly our eval rows in its validation split) and
                   hidden_states/hs_<j>.safetensors as links to the verified extraction files
+                  (train.hidden_states = "stream": no links; the target computes them batch by batch)
   checkpoints/    speculators' --save-path: one folder per epoch; a rerun resumes from the newest
   untrained/      the same drafter, randomly initialised (speculators --dry-run): eval's floor
   checkpoint      link to the final epoch (what vLLM loads with method eagle3)
@@ -64,9 +65,10 @@ def loss_tokens(ds) -> int:
     return int(pc.sum(pc.list_flatten(ds.with_format("arrow")["loss_mask"])).as_py() or 0)
 
 
-def build_data_dir(cfg: Config, data: Path) -> tuple[int, int, dict]:
-    """Train rows then eval rows, with hidden-state links numbered to match. Returns (train, eval) sizes and the
-    train rows' loss tokens: `train_loss_tokens` (after train.mask_loops), `loop_masked_tokens` (what it took out)."""
+def build_data_dir(cfg: Config, data: Path, links: bool = True) -> tuple[int, int, dict]:
+    """Train rows then eval rows, with hidden-state links numbered to match (none when `links` is false: the stream
+    path). Returns (train, eval) sizes and the train rows' loss tokens: `train_loss_tokens` (after
+    train.mask_loops), `loop_masked_tokens` (what it took out)."""
     from datasets import concatenate_datasets, load_from_disk
 
     parts = [load_from_disk(str(cfg.step_dir("prepare") / s)) for s in SPLITS]
@@ -81,7 +83,7 @@ def build_data_dir(cfg: Config, data: Path) -> tuple[int, int, dict]:
     hs = data / "hidden_states"
     hs.mkdir(parents=True, exist_ok=True)
     j = 0
-    for split, ds in zip(SPLITS, parts):
+    for split, ds in zip(SPLITS, parts if links else []):
         for i in range(len(ds)):
             link = hs / file_name(j)
             src = cfg.step_dir("extract") / split / file_name(i)
@@ -104,12 +106,23 @@ def preflight(cfg: Config) -> None:
     require_patched_speculators()
 
 
+def stream_spec(cfg: Config) -> dict | None:
+    """What the stream path computes with (None on the disk path): it is in train's fingerprint, as the
+    extraction's manifest is on the disk path."""
+    if cfg.train.hidden_states != "stream":
+        return None
+    ids, _, _ = resolve_layer_ids(cfg)
+    return {"model_path": str(cfg.model_path), "layer_ids": ids, "dtype": cfg.model.dtype,
+            "trust_remote_code": cfg.model.trust_remote_code}
+
+
 def run(cfg: Config, out: Path) -> dict:
-    require_manifest(cfg, "verify")
+    stream = stream_spec(cfg)
+    require_manifest(cfg, "prepare" if stream else "verify")
     patches = require_patched_speculators()
     vocab_dir = cfg.step_dir("vocab")
-    meta = json.loads((cfg.step_dir("extract") / META).read_text())
     configured, n, _ = resolve_layer_ids(cfg)
+    meta = {"layer_ids": configured} if stream else json.loads((cfg.step_dir("extract") / META).read_text())
     if configured != meta["layer_ids"]:
         raise StepError(
             f"layer ids disagree: the extraction in {cfg.step_dir('extract')} captured {meta['layer_ids']} "
@@ -119,7 +132,10 @@ def run(cfg: Config, out: Path) -> dict:
     if ids[-1] != n:
         raise StepError(f"EAGLE-3 training needs the final pre-norm state (id {n}) as the last layer id; got {ids}")
     aux = ids[:-1]
-    n_train, n_eval, loss_tokens = build_data_dir(cfg, out / "data")
+    n_train, n_eval, loss_tokens = build_data_dir(cfg, out / "data", links=not stream)
+    if stream:
+        print(f"[train] hidden states streamed: the target ({cfg.model.dtype}) computes layers {ids} of each batch "
+              f"on the training device; no extraction files are read")
     if cfg.train.mask_loops:
         print(f"[train] mask_loops: {loss_tokens['loop_masked_tokens']:,} loss tokens in terminal loops taken out of "
               f"the train rows, {loss_tokens['train_loss_tokens']:,} left")
@@ -127,16 +143,17 @@ def run(cfg: Config, out: Path) -> dict:
         raise StepError("the eval split is empty; raise data.max_conversations or data.eval_fraction")
     args = speculators_args(cfg, out, aux, vocab_dir)
     args += ["--train-data-ratio", str((n_train + 0.5) / (n_train + n_eval))]
-    (out / "train_command.txt").write_text(" ".join(["speculators", "train", *args]) + "\n")
+    (out / "train_command.txt").write_text(" ".join(["speculators", "train", *args]) + "\n"
+                                           + (f"# hidden states streamed (--stream): {json.dumps(stream)}\n" if stream else ""))
 
     untrained = out / "untrained"
     if not (untrained / "model.safetensors").exists():
         dry = [*_replace(args, "--save-path", str(untrained)), "--dry-run"]
         if "--hidden-states-dtype" in dry:  # the dry run saves in this dtype: bf16, as the trained checkpoints
             dry = _replace(dry, "--hidden-states-dtype", "bfloat16")
-        _speculators(out, dry, "untrained", out / "untrained.jsonl")
+        _speculators(out, dry, "untrained", out / "untrained.jsonl", stream=stream)
     set_aside_incomplete_checkpoints(out / "checkpoints")
-    _speculators(out, args, "train", out / "metrics.jsonl", cfg=cfg)
+    _speculators(out, args, "train", out / "metrics.jsonl", cfg=cfg, stream=stream)
 
     final = last_epoch(out / "checkpoints")
     link = out / "checkpoint"
@@ -151,6 +168,7 @@ def run(cfg: Config, out: Path) -> dict:
         "checkpoint": str(final),
         "untrained_checkpoint": str(untrained),
         "epochs": cfg.train.epochs,
+        "hidden_states": cfg.train.hidden_states,
         "speculators_patches": patches,
         "train_samples": n_train,
         "val_samples": n_eval,
@@ -202,9 +220,11 @@ def _replace(args: list[str], flag: str, value: str) -> list[str]:
     return args
 
 
-def _speculators(out: Path, args: list[str], name: str, metrics: Path, cfg: Config | None = None) -> None:
+def _speculators(out: Path, args: list[str], name: str, metrics: Path, cfg: Config | None = None,
+                 stream: dict | None = None) -> None:
     log = out / f"{name}.log"
-    cmd = [sys.executable, "-m", "pipeline.engines.speculators_train", "--metrics", str(metrics), "--", *args]
+    cmd = [sys.executable, "-m", "pipeline.engines.speculators_train", "--metrics", str(metrics),
+           *(["--stream", json.dumps(stream)] if stream else []), "--", *args]
     if cfg is not None:
         cmd = _torchrun_command(cfg, cmd)
     print(f"[train] {name}: speculators train (log: {log})")

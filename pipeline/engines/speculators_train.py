@@ -1,7 +1,8 @@
 """Run speculators' own `train` CLI in this process, with its metrics also written to a JSONL file.
 
-`python -m pipeline.engines.speculators_train --metrics FILE -- <speculators train args>` (or under
-torchrun for several processes). speculators logs a dict per step to the "speculators.metrics" logger
+`python -m pipeline.engines.speculators_train --metrics FILE [--stream JSON] -- <speculators train args>` (or
+under torchrun for several processes). `--stream '{"model_path": ..., "layer_ids": [...], "dtype": ...}'` trains on
+hidden states computed on the fly (pipeline/engines/stream_states.py) instead of the files in the data folder. speculators logs a dict per step to the "speculators.metrics" logger
 ({"train": {...}, "epoch", "global_step"} and {"val": {...}, "epoch"}); a handler appends each one as
 a JSON line, which the train step turns into a CSV-free JSONL log and a PNG of the curves. Only rank 0
 writes. On CPU the patched speculators (patches/speculators/<version>) picks the CPU device.
@@ -70,6 +71,9 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: python -m pipeline.engines.speculators_train --metrics FILE -- <speculators train args>")
     metrics_path = argv[1]
     train_args = argv[argv.index("--") + 1:]
+    stream = None
+    if "--stream" in argv[:argv.index("--")]:  # train.hidden_states = "stream": the target runs beside the draft
+        stream = json.loads(argv[argv.index("--stream") + 1])
     from speculators.train.cli import main as train_main
     from speculators.train.config import TrainConfig
 
@@ -88,6 +92,10 @@ def main(argv: list[str]) -> None:
         # CPU training passes --hidden-states-dtype float32 (pipeline/train.py), which speculators hands to
         # torch.autocast: CPU autocast takes bf16/fp16 only and turns itself off, which is the point; not a warning
         warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+    if stream:
+        from .stream_states import install
+
+        install(**stream)
     train_main(TrainConfig.resolve(train_args))
 
 

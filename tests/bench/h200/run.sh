@@ -143,6 +143,46 @@ case $PHASE in
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$LOGS/gpu.txt"
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     df -h . /dev/shm | tail -2 ;;   # /dev/shm: a second volume for hidden states? (the disk holds ~14.4M tokens)
+  stream-check)
+    # Session 20: train.hidden_states = "stream" against the disk path on this GPU (bf16, spawned data-loader
+    # workers), on N ShareGPT first turns regenerated here: the same draft trained 1 epoch both ways from the same
+    # prepared data and vocabulary; losses, val metrics and tokens/s come back ($OUT/stream-check/).
+    stash; model_wheel || exit 1
+    SC=(--config $CONFIG --set data.path=data/packages/sharegpt-user-turns.jsonl.gz --set data.max_conversations=${N:-1500}
+        --set vocab.draft_vocab_size=49152 --set train.epochs=1 --set run.name=sc-disk)
+    for s in model prepare vocab extract verify; do
+      echo "[sc] $s start $(date +%s)"; timeout "$(left)" python3 -m pipeline $s "${SC[@]}" > "$LOGS/sc-$s.log" 2>&1 \
+        || { tail -20 "$LOGS/sc-$s.log"; exit 1; }
+    done
+    mkdir -p runs/sc-stream; for s in model prepare vocab; do [ -e runs/sc-stream/$s ] || ln -s ../sc-disk/$s runs/sc-stream/$s; done
+    for r in stream disk; do
+      echo "[sc] train-$r start $(date +%s)"
+      timeout "$(left)" python3 -m pipeline train "${SC[@]}" --set run.name=sc-$r \
+        $([ $r = stream ] && echo "--set train.hidden_states=\"stream\"") > "$LOGS/sc-train-$r.log" 2>&1 \
+        || { tail -30 "$LOGS/sc-train-$r.log"; tail -30 runs/sc-$r/train/train.log; }
+      echo "[sc] train-$r end $(date +%s)"
+    done
+    mkdir -p "$OUT/stream-check"
+    for r in stream disk; do cp runs/sc-$r/train/metrics.jsonl "$OUT/stream-check/metrics-$r.jsonl" 2>/dev/null
+      cp runs/sc-$r/train/manifest.json "$OUT/stream-check/train-manifest-$r.json" 2>/dev/null
+      tail -c 20000 runs/sc-$r/train/train.log > "$OUT/stream-check/train-$r.log" 2>/dev/null; done
+    cp "$LOGS"/sc-*.log "$OUT/stream-check/" 2>/dev/null
+    python3 - <<'PY'
+import json, pathlib
+rows = {r: [json.loads(x) for x in pathlib.Path(f"runs/sc-{r}/train/metrics.jsonl").read_text().splitlines()]
+        for r in ("stream", "disk") if pathlib.Path(f"runs/sc-{r}/train/metrics.jsonl").exists()}
+for r, v in rows.items():
+    loss = [x["train"]["loss"] for x in v if "train" in x]
+    tps = sorted(x["profile"]["tokens_per_s"] for x in v if "train" in x and x.get("profile"))
+    val = [x["val"] for x in v if "val" in x]
+    print(r, "steps", len(loss), "first/last loss", loss[:1], loss[-1:], "median tokens/s", tps[len(tps) // 2] if tps else None,
+          "val", {k: round(w, 4) for k, w in (val[-1] if val else {}).items() if isinstance(w, float)})
+if len(rows) == 2:
+    a = [x["train"]["loss"] for x in rows["disk"] if "train" in x]; b = [x["train"]["loss"] for x in rows["stream"] if "train" in x]
+    n = min(len(a), len(b)); d = max(abs(a[i] - b[i]) for i in range(n)) / max(abs(x) for x in a[:n])
+    print(f"max |loss diff| / max |loss| over {n} steps: {d:.2e}")
+PY
+    ls -la "$OUT/stream-check" ;;
   data)
     stash; model_wheel || exit 1
     for s in model prepare extract verify vocab; do
@@ -245,6 +285,9 @@ case $PHASE in
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
   s8-chain)
     S8=(--set run.name=s8-allturns --set data.regenerate=\"all_turns\")
+    # S8_STREAM=1 (session 20): train computes the hidden states itself (train.hidden_states = "stream"): no extract,
+    # no verify, nothing on the disk; the data steps shrink to model, prepare, vocab
+    [ "${S8_STREAM:-0}" = 1 ] && S8+=(--set 'train.hidden_states="stream"')
     set -f   # no globbing: a value such as data.weights=[1.0,1.0,0.5] is a glob pattern
     for kv in ${S8_EXTRA:-}; do S8+=(--set "$kv"); done   # e.g. S8_EXTRA='train.mask_loops=true': every draft
     set +f
@@ -282,7 +325,8 @@ case $PHASE in
     # prepare deletes its resume cache when it finishes: the conversations are what seeds the next session, so they
     # are sent whenever prepare regenerated anything the seed lacked (session 10 lost a mix's 4,909 new answers)
     NEW=$(python3 -c "import json; s=json.load(open('runs/s8-allturns/prepare/manifest.json'))['summary']; print(s['regenerated_turns'] - s.get('reused_from_interrupted_run', 0))")
-    if [ ! -f $SEED ] || [ "${NEW:-1}" -gt 0 ]; then
+    # (S8_NEW_MIN=N: only when more than N are new; 47 answers of conversations prepare rejects are "new" every run)
+    if [ ! -f $SEED ] || [ "${NEW:-1}" -gt "${S8_NEW_MIN:-0}" ]; then
       gzip -c runs/s8-allturns/prepare/conversations.jsonl | split -b 15000000 - $SEND/regen.jsonl.gz.part.
       cp runs/s8-allturns/prepare/manifest.json $SEND/prepare-manifest.json
     fi
@@ -292,8 +336,10 @@ case $PHASE in
     if [ "${S8_SHM:-0}" = 1 ] && [ ! -L runs/s8-allturns/extract ]; then
       rm -rf runs/s8-allturns/extract && mkdir -p /dev/shm/s8-extract && ln -s /dev/shm/s8-extract runs/s8-allturns/extract
     fi
-    run8 extract || exit 1
-    run8 verify || { run8 extract --redo-failed && run8 verify; } || exit 1
+    if [ "${S8_STREAM:-0}" != 1 ]; then
+      run8 extract || exit 1
+      run8 verify || { run8 extract --redo-failed && run8 verify; } || exit 1
+    fi
     run8 vocab || exit 1
     TOK=$(python3 -c "import json; m=json.load(open('runs/s8-allturns/prepare/manifest.json')); print(m['summary']['tokens'])" 2>/dev/null || echo 10000000)
     # The recipe's draft (2 layers, 16,384-token draft vocabulary: 36.3 MB shipped) and the DRAFTS beside it, side
