@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             from .extract import forget_failed
 
             forget_failed(cfg)
-        for step in STEPS if args.step == "all" else [args.step]:
+        steps = [args.step]
+        if args.step == "all":  # a streamed run computes its hidden states in train: nothing to extract or verify
+            steps = [s for s in STEPS if cfg.train.hidden_states == "disk" or s not in ("extract", "verify")]
+        for step in steps:
             run(cfg, step, force=args.force, shard=shard)
     except (ConfigError, StepError) as e:
         print(f"error: {e}", file=sys.stderr)
