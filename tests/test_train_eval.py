@@ -280,3 +280,27 @@ def test_streamed_hidden_states_train_as_the_extracted_files(data_run, runs_dir)
         if isinstance(x, float) and "loss" in key:
             assert abs(x - val["stream-2ep"][key]) <= 1e-4 * abs(x), key
     check_draft_checkpoint(stream.step_dir("train") / "checkpoint", LAYER_IDS[:-1], 2048)
+    # eval's precision check reads train's summary: there is no extract step behind a streamed draft
+    from pipeline.config import load_config
+    from pipeline.evaluate import check_precision, trained_on
+
+    assert trained_on(stream)["precision"] == "bf16"
+    check_precision(stream, trained_on(stream))
+    fp16 = load_config(stream.source_path, {"model.precision": "fp16"})
+    with pytest.raises(StepError, match="'bf16' target but eval would run a 'fp16' target"):
+        check_precision(fp16, trained_on(fp16))
+
+
+def test_streamed_training_refuses_a_missing_model_step_and_a_quantized_target(runs_dir, repo):
+    """The stream path reads the target's config before anything else: without the model step it is a StepError
+    naming the step, not a traceback; a quantized target (Kimi-K2.5's INT4) is refused when the config loads."""
+    from pipeline.config import ConfigError, load_config
+    from tests.conftest import SMALL, write_config
+
+    cfg = load_config(write_config(runs_dir / "stream-nomodel.toml", runs_dir, "stream-nomodel",
+                                   **{**SMALL, "train": {**SMALL["train"], "hidden_states": "stream"},
+                                      "model": {**SMALL["model"], "path": "data/models/not-converted-yet"}}))
+    with pytest.raises(StepError, match="step 'model' has no complete output"):
+        run(cfg, "train")
+    with pytest.raises(ConfigError, match="int4-compressed-tensors"):
+        load_config(repo / "configs" / "kimi-k2.5-devbox.toml", {"train.hidden_states": "stream"})

@@ -98,7 +98,7 @@ class TargetStates:
                 starts.append(off)
             off += c
         width = len(self.layer_ids)
-        hidden = model.config.hidden_size
+        hidden = model.config.get_text_config().hidden_size
         out_dtype = kwargs["hidden_states"].dtype
         total = ids.shape[0]
         hs = torch.zeros(1, total, (width - 1) * hidden, dtype=out_dtype, device=dev)
