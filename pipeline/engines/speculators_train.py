@@ -1,8 +1,9 @@
 """Run speculators' own `train` CLI in this process, with its metrics also written to a JSONL file.
 
 `python -m pipeline.engines.speculators_train --metrics FILE [--stream JSON] -- <speculators train args>` (or
-under torchrun for several processes). `--stream '{"model_path": ..., "layer_ids": [...], "dtype": ...}'` trains on
-hidden states computed on the fly (pipeline/engines/stream_states.py) instead of the files in the data folder. speculators logs a dict per step to the "speculators.metrics" logger
+under torchrun for several processes). `--stream '{"model_path": ..., "layer_ids": [...], "dtype": ...}'` trains
+on hidden states computed on the fly (pipeline/engines/stream_states.py) instead of the data folder's files.
+speculators logs a dict per step to the "speculators.metrics" logger
 ({"train": {...}, "epoch", "global_step"} and {"val": {...}, "epoch"}); a handler appends each one as
 a JSON line, which the train step turns into a CSV-free JSONL log and a PNG of the curves. Only rank 0
 writes. On CPU the patched speculators (patches/speculators/<version>) picks the CPU device.
@@ -68,7 +69,8 @@ def main(argv: list[str]) -> None:
 
     setup_env()
     if "--" not in argv or argv[0] != "--metrics":
-        sys.exit("usage: python -m pipeline.engines.speculators_train --metrics FILE -- <speculators train args>")
+        sys.exit("usage: python -m pipeline.engines.speculators_train --metrics FILE [--stream JSON] -- "
+                 "<speculators train args>")
     metrics_path = argv[1]
     train_args = argv[argv.index("--") + 1:]
     stream = None
