@@ -71,7 +71,6 @@ class TargetStates:
         self.model_path, self.layer_ids, self.dtype = model_path, list(layer_ids), dtype
         self.trust_remote_code = trust_remote_code
         self.model = None
-        self.tokens = 0
 
     def _target(self, dev: torch.device):
         if self.model is None:
@@ -112,7 +111,6 @@ class TargetStates:
                 n = len(seq) - 1
                 hs[0, start:start + n] = st[:-1, :-1].flatten(1).to(out_dtype)
                 last[0, start:start + n] = st[1:, -1].to(out_dtype)
-                self.tokens += len(seq)
         kwargs["hidden_states"], kwargs["verifier_last_hidden_states"] = hs, last
         return args, kwargs
 

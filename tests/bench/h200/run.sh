@@ -177,9 +177,9 @@ rows = {r: [json.loads(x) for x in pathlib.Path(f"runs/sc-{r}/train/metrics.json
         for r in ("stream", "disk") if pathlib.Path(f"runs/sc-{r}/train/metrics.jsonl").exists()}
 for r, v in rows.items():
     loss = [x["train"]["loss"] for x in v if "train" in x]
-    tps = sorted(x["profile"]["tokens_per_s"] for x in v if "train" in x and x.get("profile"))
+    tps = json.loads(pathlib.Path(f"runs/sc-{r}/train/manifest.json").read_text())["summary"]["train_tokens_per_s"]
     val = [x["val"] for x in v if "val" in x]
-    print(r, "steps", len(loss), "first/last loss", loss[:1], loss[-1:], "median tokens/s", tps[len(tps) // 2] if tps else None,
+    print(r, "steps", len(loss), "first/last loss", loss[:1], loss[-1:], "train_tokens_per_s", tps,
           "val", {k: round(w, 4) for k, w in (val[-1] if val else {}).items() if isinstance(w, float)})
 ok = False
 if len(rows) == 2:
@@ -351,14 +351,11 @@ PY
     fi
     run8 vocab || exit 1
     TOK=$(python3 -c "import json; m=json.load(open('runs/s8-allturns/prepare/manifest.json')); print(m['summary']['tokens'])" 2>/dev/null || echo 10000000)
-    # RATE=auto (session 20): 0.9 x the median tokens/s of this machine's stream-check run of the same path (its
-    # steps after the first), else 90000
+    # RATE=auto (session 20): 0.9 x the train_tokens_per_s (train's summary: the mean over the steps after the first)
+    # of this machine's stream-check run of the same path, else 90000
     if [ "${RATE:-}" = auto ]; then
-      RATE=$(python3 -c "
-import json, statistics as st
-p = 'runs/sc-$([ "${S8_STREAM:-0}" = 1 ] && echo stream || echo disk)/train/metrics.jsonl'
-v = [json.loads(l)['profile']['tokens_per_s'] for l in open(p) if '\"profile\"' in l][1:]
-print(int(0.9 * st.median(v)))" 2>/dev/null || echo 90000)
+      RATE=$(python3 -c "import json; print(int(0.9 * json.load(open('runs/sc-$([ "${S8_STREAM:-0}" = 1 ] && echo stream \
+        || echo disk)/train/manifest.json'))['summary']['train_tokens_per_s']))" 2>/dev/null || echo 90000)
       echo "[s8] RATE=auto: $RATE tokens/s"
     fi
     # The recipe's draft (2 layers, 16,384-token draft vocabulary: 36.3 MB shipped) and the DRAFTS beside it, side
