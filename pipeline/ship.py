@@ -2,6 +2,7 @@
 drafter is better.
 
     python -m pipeline.ship --config configs/smollm2-quality.toml --run RUN_DIR DRAFT [--widen] [--out DIR] [--max-mb 25] [--force]
+                            [--epoch N]
 
 DRAFT is a speculators checkpoint or a slim folder (`pipeline.draft_transfer slim`); RUN_DIR the run that trained
 it (its step manifests say how: data, vocabulary, training). The drafter is written in the form vLLM serves as
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import shlex
 import shutil
@@ -39,15 +41,55 @@ def default_out(cfg: Config) -> Path:
     return REPO_ROOT / "data" / "drafters" / Path(cfg.model.path).name.lower()
 
 
-def recipe(run: Path) -> dict:
-    """How the drafter was made, from its run's step manifests."""
+def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
+    """A stand-in for the train manifest of a run whose training did not finish (the device time ran out
+    mid-schedule): the draft is its checkpoint after epoch `epoch` (0-based, the checkpoint folder's name). What
+    speculators logged (its arguments, the per-step profile, the validation rows) says how it was trained; the
+    train section is the shipping config's, so --config/--set must name the run's own train settings."""
+    path = run / "train" / "metrics.jsonl"
+    if not path.exists():
+        raise StepError(f"{run}/train: neither manifest.json nor metrics.jsonl; --run must be the run that trained the draft")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    args, vals = rows[0], [r["val"] for r in rows if "val" in r]
+    if not 0 <= epoch < len(vals):
+        raise StepError(f"{path}: {len(vals)} epochs validated, so there is no checkpoint after epoch {epoch} "
+                        f"(0-based) of it")
+    scheduled = args.get("trainer", {}).get("epochs")
+    logged = {"train.epochs": scheduled, "train.num_layers": args.get("draft", {}).get("num_layers"),
+              "train.lr": args.get("optimizer", {}).get("lr"), "train.ttt_steps": args.get("loss", {}).get("ttt_steps"),
+              "train.total_seq_len": args.get("data", {}).get("total_seq_len")}
+    differ = [f"{k} (run: {v!r}, config: {getattr(cfg.train, k[6:])!r})" for k, v in logged.items()
+              if v is not None and v != getattr(cfg.train, k[6:])]
+    if differ:
+        raise StepError(f"{path}: the run was trained with other settings than {_rel(cfg.source_path)} says: "
+                        f"{', '.join(differ)}; --set them, so results.json records the run's own")
+    if epoch + 1 >= (scheduled or 0):
+        raise StepError(f"{path}: epoch {epoch} is the schedule's last ({scheduled} epochs): a finished run has a "
+                        f"train manifest; --epoch is for one that stopped early")
+    tps = sorted([r["profile"]["tokens_per_s"] for r in rows if "profile" in r][1:])  # the steps after the first
+    return {"config_sections": {"train": dataclasses.asdict(cfg.train)},
+            "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled, "finished": False,
+                        "eagle_aux_hidden_state_layer_ids": args.get("draft", {}).get("target_layer_ids"),
+                        "final_val": vals[epoch], "train_tokens_per_s": tps[len(tps) // 2] if tps else None,
+                        "tokens_per_s_is": "the median of speculators' per-step profile (no train manifest)"}}
+
+
+def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None) -> dict:
+    """How the drafter was made, from its run's step manifests (with `epoch`, a run whose train step did not
+    finish: `unfinished_train`)."""
     def manifest(step: str) -> dict:
         m = read_manifest(run / step)
         if not m:
             raise StepError(f"{run / step}: no manifest.json; --run must be the run folder that trained the draft")
         return m
 
-    prep, vocab, train = manifest("prepare"), manifest("vocab"), manifest("train")
+    prep, vocab = manifest("prepare"), manifest("vocab")
+    if epoch is None:
+        train = manifest("train")
+    elif read_manifest(run / "train"):
+        raise StepError(f"{run}/train finished (it has a manifest): ship its last checkpoint without --epoch")
+    else:
+        train = unfinished_train(run, cfg, epoch)
     ps, ts = prep["summary"], train["summary"]
     data = prep["config_sections"]["data"]
     return {
@@ -68,6 +110,7 @@ def recipe(run: Path) -> dict:
         "vocab": {k: vocab["summary"].get(k) for k in ("draft_vocab_size", "target_vocab_size", "coverage_train",
                                                         "coverage_eval", "d2t_sha256")},
         "train": {**train["config_sections"]["train"], "epochs": ts.get("epochs"),
+                  **({k: ts[k] for k in ("epochs_scheduled", "finished", "tokens_per_s_is")} if "finished" in ts else {}),
                   "eagle_aux_hidden_state_layer_ids": ts.get("eagle_aux_hidden_state_layer_ids"),
                   "final_val": ts.get("final_val"), "tokens_per_s": ts.get("train_tokens_per_s"),
                   "seconds": train.get("seconds"), "gpus": [g["name"] for g in (train.get("host") or {}).get("gpus", [])],
@@ -132,10 +175,10 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
 
 
 def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float = 25.0, force: bool = False,
-                 command: str = "", widen: bool = False) -> int:
+                 command: str = "", widen: bool = False, epoch: int | None = None) -> int:
     if not (cfg.model_path / "config.json").exists():
         raise StepError(f"the target {cfg.model_path} is missing; run `make model CONFIG={_rel(cfg.source_path)}` first")
-    made = recipe(run)
+    made = recipe(run, cfg, epoch)
     check_heldout_split(cfg, run)
     staged = out.with_name(out.name + ".new")
     shutil.rmtree(staged, ignore_errors=True)
@@ -233,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="replace the shipped drafter even if not better")
     ap.add_argument("--widen", action="store_true", help="serve over the target's whole vocabulary, without an "
                     "lm_head (draft_transfer widen)")
+    ap.add_argument("--epoch", type=int, help="the draft is the checkpoint after this epoch (0-based) of a run "
+                    "whose training did not finish (no train manifest; read from its metrics.jsonl)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     ap.add_argument("draft", type=Path, help="checkpoint or slim folder")
     a = ap.parse_args(argv)
@@ -240,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(a.config, parse_set(a.set))
     try:
         command = shlex.join(["python", "-m", "pipeline.ship", *(sys.argv[1:] if argv is None else argv)])
-        return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force, command, a.widen)
+        return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force, command, a.widen,
+                            a.epoch)
     except StepError as e:
         print(f"[ship] error: {e}", file=sys.stderr)
         return 2

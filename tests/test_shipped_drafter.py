@@ -256,3 +256,42 @@ def test_ship_scores_each_sources_heldout_prompts_of_a_mix(work, monkeypatch):
     r = ship_evaluate(load_config(quality, {**mix, "data.sources": [mix["data.sources"][0], source("gamma", "violins", 1)]}),
                       work / "d", work / "e3")
     assert set(r["heldout_by_source"]) == {"alpha"} and ("heldout", "gamma") not in asked, asked
+
+
+def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
+    """A run whose machine went back mid-schedule has no train manifest: `pipeline.ship --epoch N` reads how it
+    was trained from speculators' own metrics.jsonl (the suite's real 8-epoch run, its manifest left behind), and
+    refuses an epoch it did not validate, the schedule's last epoch, a finished run, and train settings other
+    than the run's."""
+    import dataclasses
+
+    from pipeline.manifest import StepError
+    from pipeline.ship import recipe
+
+    src, run = trained_run.run_dir, work / "run"
+    for step in ("prepare", "vocab"):
+        (run / step).mkdir(parents=True)
+        shutil.copy(src / step / "manifest.json", run / step)
+    (run / "train").mkdir()
+    shutil.copy(src / "train" / "metrics.jsonl", run / "train")
+    vals = [json.loads(x)["val"] for x in (run / "train" / "metrics.jsonl").read_text().splitlines() if '"val"' in x]
+    assert len(vals) == trained_run.train.epochs == 8
+
+    made = recipe(run, trained_run, 2)
+    t = made["train"]
+    assert (t["epochs"], t["epochs_scheduled"], t["finished"]) == (3, 8, False)
+    assert t["final_val"] == vals[2] != vals[7]
+    assert t["eagle_aux_hidden_state_layer_ids"] and t["tokens_per_s"] > 0
+    assert t["num_layers"] == trained_run.train.num_layers and made["data"]["train_samples"] > 0
+
+    with pytest.raises(StepError, match="no checkpoint after epoch 8"):
+        recipe(run, trained_run, 8)
+    with pytest.raises(StepError, match="the schedule's last"):
+        recipe(run, trained_run, 7)
+    other = dataclasses.replace(trained_run, train=dataclasses.replace(trained_run.train, epochs=4))
+    with pytest.raises(StepError, match=r"train.epochs \(run: 8, config: 4\)"):
+        recipe(run, other, 2)
+    shutil.copy(src / "train" / "manifest.json", run / "train")
+    with pytest.raises(StepError, match="without --epoch"):
+        recipe(run, trained_run, 2)
+    assert recipe(run)["train"]["epochs"] == 8 and "finished" not in recipe(run)["train"]
