@@ -435,7 +435,7 @@ PY
     RUNS="s8-allturns $(draft_names)"
     late() { [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -gt $(( DEADLINE - 100 )) ]; }
     # S8_REGEN_LATER=1 (session 21): the regenerated conversations wait for the call that sends a draft (or the
-    # deadline), so a call that only holds the machine returns a few hundred KB (sessions 18-20 lost the machine
+    # deadline), so a call that only holds the machine returns ~2 MB (session 21: 1.5 and 2.1; sessions 18-20 lost the machine
     # at the first turnaround after a call that returned 12-14 MB)
     regen_due() { ls .cache/h200-send/regen.jsonl.gz.part.* >/dev/null 2>&1 && ! sent regen \
                   && { [ "${S8_REGEN_LATER:-0}" != 1 ] || [ -n "$(due)" ] || late; }; }
