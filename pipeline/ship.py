@@ -66,12 +66,12 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     if epoch + 1 >= (scheduled or 0):
         raise StepError(f"{path}: epoch {epoch} is the schedule's last ({scheduled} epochs): a finished run has a "
                         f"train manifest; --epoch is for one that stopped early")
-    tps = sorted([r["profile"]["tokens_per_s"] for r in rows if "profile" in r][1:])  # the steps after the first
+    from .train import train_throughput, val_summary  # train's own summary of the same rows
+
     return {"config_sections": {"train": dataclasses.asdict(cfg.train)},
             "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled, "finished": False,
                         "eagle_aux_hidden_state_layer_ids": args.get("draft", {}).get("target_layer_ids"),
-                        "final_val": vals[epoch], "train_tokens_per_s": tps[len(tps) // 2] if tps else None,
-                        "tokens_per_s_is": "the median of speculators' per-step profile (no train manifest)"}}
+                        "final_val": val_summary(vals[epoch]), "train_tokens_per_s": train_throughput(rows)}}
 
 
 def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None) -> dict:
@@ -110,7 +110,7 @@ def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None) -> di
         "vocab": {k: vocab["summary"].get(k) for k in ("draft_vocab_size", "target_vocab_size", "coverage_train",
                                                         "coverage_eval", "d2t_sha256")},
         "train": {**train["config_sections"]["train"], "epochs": ts.get("epochs"),
-                  **({k: ts[k] for k in ("epochs_scheduled", "finished", "tokens_per_s_is")} if "finished" in ts else {}),
+                  **({k: ts[k] for k in ("epochs_scheduled", "finished")} if "finished" in ts else {}),
                   "eagle_aux_hidden_state_layer_ids": ts.get("eagle_aux_hidden_state_layer_ids"),
                   "final_val": ts.get("final_val"), "tokens_per_s": ts.get("train_tokens_per_s"),
                   "seconds": train.get("seconds"), "gpus": [g["name"] for g in (train.get("host") or {}).get("gpus", [])],

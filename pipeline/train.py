@@ -176,8 +176,8 @@ def run(cfg: Config, out: Path) -> dict:
         "val_samples": n_eval,
         **loss_tokens,
         "eagle_aux_hidden_state_layer_ids": check["aux_ids"],
-        "final_val": {k: round(v, 4) for k, v in (val[-1]["val"] if val else {}).items() if isinstance(v, (int, float))},
-        "train_tokens_per_s": _throughput(rows),
+        "final_val": val_summary(val[-1]["val"] if val else {}),
+        "train_tokens_per_s": train_throughput(rows),
     }
     return {"summary": summary}
 
@@ -306,7 +306,13 @@ def check_draft_checkpoint(path: Path, aux_ids: list[int], draft_vocab: int, voc
     return {"aux_ids": got}
 
 
-def _throughput(rows: list[dict]) -> float | None:
+def val_summary(val: dict) -> dict:
+    """One epoch's validation row of speculators' metrics.jsonl as train's summary records it."""
+    return {k: round(v, 4) for k, v in val.items() if isinstance(v, (int, float))}
+
+
+def train_throughput(rows: list[dict]) -> float | None:
+    """Tokens/s of metrics.jsonl's training steps: the mean of speculators' per-step profile after the first step."""
     vals = [r.get("profile", {}).get("tokens_per_s") for r in rows if "train" in r]
     vals = [v for v in vals if isinstance(v, (int, float))]
     return round(sum(vals[1:]) / len(vals[1:]), 1) if len(vals) > 1 else None
