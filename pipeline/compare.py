@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import FINGERPRINTED_UNLESS_DEFAULT, RUN_LOCATION_KEYS
+from .config import FINGERPRINTED_UNLESS_DEFAULT, NOT_FINGERPRINTED, RUN_LOCATION_KEYS
 from .manifest import MANIFEST, read_manifest, sha256_file
 
 ORDER = ["model", "prepare", "extract", "verify", "vocab", "train", "eval", "report"]
@@ -176,7 +176,11 @@ def _what_it_computes(m: dict) -> dict | None:
     if isinstance(sections, dict) and isinstance(sections.get("run"), dict):
         for k in RUN_LOCATION_KEYS:
             sections["run"].pop(k, None)
-    if isinstance(sections, dict):  # a key at its default is what a manifest from before the key meant
+    if isinstance(sections, dict):
+        for section, key in NOT_FINGERPRINTED:  # how a step ran, not what it computed
+            if isinstance(sections.get(section), dict):
+                sections[section].pop(key, None)
+        # a key at its default is what a manifest from before the key meant
         for (section, key), default in FINGERPRINTED_UNLESS_DEFAULT.items():
             if isinstance(sections.get(section), dict) and sections[section].get(key, default) == default:
                 sections[section].pop(key, None)

@@ -94,6 +94,7 @@ class VerifyConfig:
     prefix_min_cosine: float = 0.995  # per layer, over those positions (adjacent layers: <= 0.977 on SmolLM2)
     head_positions: int = 32         # every file: positions where the target's head must predict the next token (0 = off)
     head_fraction: float = 0.5       # below this fraction of the lowest clean rate a file is flagged (then full parity)
+    read_workers: int = 0            # threads reading and checking files ahead of the model checks (0: CPUs, at most 8)
 
 
 @dataclass
@@ -243,7 +244,7 @@ class Config:
         blob = {s: dataclasses.asdict(getattr(self, s)) for s in sections}
         if "run" in blob:  # where a run lives does not change what it computes
             blob["run"] = {k: v for k, v in blob["run"].items() if k not in RUN_LOCATION_KEYS}
-        for section, key in _NOT_FINGERPRINTED:
+        for section, key in NOT_FINGERPRINTED:
             if section in blob:
                 blob[section].pop(key, None)
         for (section, key), default in FINGERPRINTED_UNLESS_DEFAULT.items():
@@ -258,8 +259,8 @@ class Config:
 
 
 # Keys that change how a step runs but not what it computes.
-_NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_backend"), ("train", "rdzv_endpoint"),
-                      ("train", "rdzv_id"))
+NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_backend"), ("train", "rdzv_endpoint"),
+                      ("train", "rdzv_id"), ("verify", "read_workers"))
 # Keys that change results only away from their default (the world size changes the global batch): left out of
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
 FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,

@@ -18,6 +18,7 @@ target would not have produced), listed in the summary, not a failure.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -62,14 +63,23 @@ def run(cfg: Config, out: Path) -> dict:
     structural: dict[str, list[str]] = {}
     read_stat: dict[str, tuple | None] = {}  # (size, mtime, inode) when verify read the file
     t0 = time.time()
-    for name in tqdm(names, desc="verify files", unit="file"):
-        ids, mask = samples[name]
-        read_stat[name] = file_stat(src / name)
-        found, hs = read_checked(src / name, ids, len(layer_ids), hidden, cfg.model.dtype)
+    workers = read_workers(cfg)
+    files = iter(tqdm(read_ahead(src, names, samples, len(layer_ids), hidden, cfg.model.dtype, workers),
+                      total=len(names), desc=f"verify files ({workers} readers)", unit="file"))
+    read_wait = 0.0  # seconds the checks waited for the readers: ~0 when reading is not what limits verify
+    while True:
+        t = time.time()
+        item = next(files, None)
+        read_wait += time.time() - t
+        if item is None:
+            break
+        name, stat, found, hs, facts = item
+        read_stat[name] = stat
         if found:
             structural[name] = found
         else:
-            checks.add(name, hs, ids, mask, calibrate=name in sample)
+            ids, mask = samples[name]
+            checks.add(name, hs, ids, mask, calibrate=name in sample, facts=facts)
     content_s = time.time() - t0
 
     per_layer: dict[int, list[float]] = {lid: [] for lid in layer_ids}
@@ -151,8 +161,41 @@ def run(cfg: Config, out: Path) -> dict:
             "threshold": cfg.verify.min_cosine,
             "checks": {k: v for k, v in content.items() if k not in ("files", "tokens")},
             "content_checks_s": round(content_s, 1),
+            "read_workers": workers,
+            "content_read_wait_s": round(read_wait, 1),
         }
     }
+
+
+def read_workers(cfg: Config) -> int:
+    return cfg.verify.read_workers or max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def read_ahead(src: Path, names: list[str], samples: dict, num_ids: int, hidden: int, dtype: str, workers: int):
+    """(name, stat, structural problems, states, FileFacts) per file, in `names` order: `workers` threads read
+    and check files ahead of the caller (the disk read, the finite check and sha256 release the GIL; the caller's
+    batched model work runs meanwhile). At most 2 x workers files wait in memory."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .verify_content import file_facts
+
+    def one(name: str):
+        stat = file_stat(src / name)  # before the read: a file rewritten after it no longer matches
+        found, hs = read_checked(src / name, samples[name][0], num_ids, hidden, dtype)
+        return name, stat, found, hs, (None if found else file_facts(hs))
+
+    if workers <= 1:
+        yield from map(one, names)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="verify-read") as pool:
+        pending, it = deque(), iter(names)
+        for name in it:
+            pending.append(pool.submit(one, name))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def file_stat(path: Path) -> tuple | None:
@@ -278,8 +321,9 @@ def check_file(path: Path, ids: list[int], num_ids: int, hidden: int, dtype: str
 
 def read_checked(path: Path, ids: list[int], num_ids: int, hidden: int, dtype: str):
     """(structural problems, hidden_states tensor or None): the file read once for every check."""
-    import torch
     from safetensors import safe_open
+
+    from .verify_content import all_finite
 
     if not path.exists():
         return ["missing"], None
@@ -300,6 +344,6 @@ def read_checked(path: Path, ids: list[int], num_ids: int, hidden: int, dtype: s
     if tok.tolist() != ids:
         first = next((j for j, (a, b) in enumerate(zip(tok.tolist(), ids)) if a != b), min(len(tok), len(ids)))
         problems.append(f"token ids differ from the prepared sample (first difference at position {first})")
-    if not torch.isfinite(hs).all():
+    if not all_finite(hs):
         problems.append("non-finite values (NaN/Inf)")
     return problems, hs

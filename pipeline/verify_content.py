@@ -45,6 +45,45 @@ class Finding:
 
 
 @dataclass
+class FileFacts:
+    """What the checks need from every value of one file: one pass over it, no model (so reader threads can make
+    them beside the main thread's batched model work: sha256 and torch's elementwise kernels release the GIL)."""
+    digest: str                      # sha256 of the states' bytes (duplicate)
+    zero_rows: torch.Tensor | None   # [T, L] bool, None when no row is all zeros (zero-rows)
+
+
+# float dtype -> (integer view, exponent bits, magnitude bits): a value is not finite when all its exponent bits
+# are set, and zero (+0 or -0) when no magnitude bit is
+FLOAT_BITS = {torch.bfloat16: (torch.int16, 0x7F80, 0x7FFF), torch.float16: (torch.int16, 0x7C00, 0x7FFF),
+              torch.float32: (torch.int32, 0x7F800000, 0x7FFFFFFF)}
+
+
+def bits(hs: torch.Tensor):
+    """(numpy integer view of the values, exponent mask, magnitude mask). numpy's kernels run on the calling thread
+    (torch's would each start a team of OpenMP threads: oversubscribed under verify's reader threads)."""
+    view, exponent, magnitude = FLOAT_BITS[hs.dtype]
+    return hs.contiguous().view(view).numpy(), exponent, magnitude
+
+
+def all_finite(hs: torch.Tensor) -> bool:
+    if hs.dtype not in FLOAT_BITS:
+        return bool(torch.isfinite(hs).all())
+    b, exponent, _ = bits(hs)
+    return not ((b & exponent) == exponent).any()
+
+
+def file_facts(hs: torch.Tensor) -> FileFacts:
+    if hs.dtype in FLOAT_BITS:
+        b, _, magnitude = bits(hs)
+        zero = torch.from_numpy(((b & magnitude) == 0).all(axis=-1))  # [T, L]
+    else:
+        zero = (hs == 0).all(dim=-1)
+    digest = hashlib.sha256(hs.contiguous().view(torch.int16 if hs.element_size() == 2 else torch.int32)
+                            .numpy()).hexdigest()  # the buffer itself: no copy of the bytes
+    return FileFacts(digest, zero if zero.any() else None)
+
+
+@dataclass
 class ContentChecks:
     """Feed every readable file with `add`, then `finish`; findings per file name, and a summary per check."""
 
@@ -87,13 +126,14 @@ class ContentChecks:
         self._dtype = next(self.model.parameters()).dtype
 
     # ---- per file -------------------------------------------------------------------------------
-    def add(self, name: str, hs: torch.Tensor, ids: list[int], mask: list[int] | None, calibrate: bool) -> None:
-        """hs: [T, L, H] as read from the file (token ids already checked equal to `ids`)."""
+    def add(self, name: str, hs: torch.Tensor, ids: list[int], mask: list[int] | None, calibrate: bool,
+            facts: FileFacts | None = None) -> None:
+        """hs: [T, L, H] as read from the file (token ids already checked equal to `ids`); facts: file_facts(hs),
+        when a reader thread computed them already."""
+        facts = facts or file_facts(hs)
         self._tokens += len(ids)
-        self._zero_rows(name, hs)
-        digest = hashlib.sha256(hs.contiguous().view(torch.int16 if hs.element_size() == 2 else torch.int32)
-                                .numpy().tobytes()).hexdigest()
-        self._hashes.setdefault(digest, []).append((name, tuple(ids)))
+        self._zero_rows(name, facts.zero_rows)
+        self._hashes.setdefault(facts.digest, []).append((name, tuple(ids)))
         if self.head_ok:
             eligible = _eligible_positions(len(ids), mask)
             if len(eligible) >= 8:
@@ -113,16 +153,15 @@ class ContentChecks:
             if len(queue) >= PREFIX_BATCH:
                 self._flush_prefix(p)
 
-    def _zero_rows(self, name: str, hs: torch.Tensor) -> None:
-        zero = (hs == 0).all(dim=-1)  # [T, L]
-        if not zero.any():
+    def _zero_rows(self, name: str, zero: torch.Tensor | None) -> None:
+        if zero is None:
             return
         self._zero_files += 1
         for j, lid in enumerate(self.layer_ids):
             rows = zero[:, j].nonzero().flatten().tolist()
             if rows:
                 self._find(name, "zero-rows", f"layer id {lid}: {len(rows)} all-zero token rows "
-                           f"(positions {rows[0]}..{rows[-1]} of {len(hs)}): an unwritten or zeroed part")
+                           f"(positions {rows[0]}..{rows[-1]} of {len(zero)}): an unwritten or zeroed part")
 
     @torch.no_grad()
     def _head_hits(self, states: torch.Tensor, next_ids: list[int]) -> torch.Tensor:

@@ -188,3 +188,23 @@ def test_right_states_for_tokens_the_target_would_not_produce_are_a_warning(data
     head = summary["checks"]["head"]
     assert head["flagged_then_parity_passed"] == [name] and head["flagged_files_given_full_parity"] == 1
     assert summary["parity_files"] == cfg.verify.parity_samples  # the escalation is counted apart from the sample
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bit_level_finite_and_zero_row_checks_equal_torch(dtype):
+    """verify's reader threads test values on their integer bits (numpy, no OpenMP team per thread): the same
+    verdicts as torch.isfinite and == 0, for NaN, +-Inf, -0.0, the smallest normal and subnormal values."""
+    from pipeline.verify_content import all_finite, file_facts
+
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(40, 4, 64, generator=g).to(dtype)
+    tiny = torch.finfo(dtype).tiny
+    hs[1, 1], hs[2, 2, :3] = tiny, tiny / 4  # not zero rows
+    hs[5, 0], hs[6, 3], hs[7, 2] = 0.0, -0.0, 0.0
+    hs[7, 2, 9] = -0.0
+    assert all_finite(hs) and torch.equal(file_facts(hs).zero_rows, (hs == 0).all(-1))
+    assert file_facts(hs[:5]).zero_rows is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = hs.clone()
+        broken[39, 3, 63] = bad
+        assert not all_finite(broken), bad
