@@ -452,15 +452,22 @@ PY
     # at the first turnaround after a call that returned 12-14 MB)
     regen_due() { ls .cache/h200-send/regen.jsonl.gz.part.* >/dev/null 2>&1 && ! sent regen \
                   && { [ "${S8_REGEN_LATER:-0}" != 1 ] || [ -n "$(due)" ] || late; }; }
+    # a draft is final with its train manifest, or as soon as the fitted last epoch's checkpoint is complete:
+    # speculators saves it before that epoch's val, and the manifest comes only after the process ends (session 22
+    # lost a finished draft: its last call ended with the GPU idle and no manifest yet)
+    final() { [ -f runs/$1/train/manifest.json ] && return 0
+      local ep; ep=$(grep -a -o "^\[s8\] tokens [0-9]*, epochs [0-9]*" "$LOGS/s8-chain.log" 2>/dev/null | tail -1 | grep -o "[0-9]*$")
+      [ -n "$ep" ] && [ -d runs/$1/train/checkpoints/$(( ep - 1 )) ] && python3 -c "import sys; from pathlib import Path
+from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete(Path('runs/$1/train/checkpoints/$(( ep - 1 ))')))" < /dev/null; }
     due() {  # "tag name checkpoint" per draft due and not yet sent
       local r ck
       for r in $RUNS; do
         ck=$(last_ckpt $r)
-        if [ -f runs/$r/train/manifest.json ]; then sent final-$r || echo "final-$r $r $ck"
+        if final $r; then sent final-$r || echo "final-$r $r $ck"
         elif late && [ -n "$ck" ]; then sent late-$r || echo "late-$r $r $ck"; fi
         ck=runs/$r/train/checkpoints/${ALSO_EPOCH:-none}   # the recipe's draft only
         if [ $r = s8-allturns ] && [ -f $ck/model.safetensors ] && [ "$ck" != "$(last_ckpt $r)" ] \
-           && { [ -f runs/$r/train/manifest.json ] || late; }; then
+           && { final $r || late; }; then
           sent e$ALSO_EPOCH-$r || echo "e$ALSO_EPOCH-$r $r-e$ALSO_EPOCH $ck"; fi
       done; }
     ready() { [ -n "$(due)" ] || grep -q -E "chain done|rc=[1-9]" "$LOGS/s8-chain.log"; }
