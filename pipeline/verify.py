@@ -189,8 +189,8 @@ def read_ahead(src: Path, names: list[str], samples: dict, num_ids: int, hidden:
         yield from map(one, names)
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="verify-read") as pool:
-        pending, it = deque(), iter(names)
-        for name in it:
+        pending = deque()
+        for name in names:
             pending.append(pool.submit(one, name))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()

@@ -46,8 +46,8 @@ class Finding:
 
 @dataclass
 class FileFacts:
-    """What the checks need from every value of one file: one pass over it, no model (so reader threads can make
-    them beside the main thread's batched model work: sha256 and torch's elementwise kernels release the GIL)."""
+    """What the checks need from every value of one file, without the model: reader threads make them beside the
+    main thread's batched model work (sha256 and numpy's kernels release the GIL)."""
     digest: str                      # sha256 of the states' bytes (duplicate)
     zero_rows: torch.Tensor | None   # [T, L] bool, None when no row is all zeros (zero-rows)
 
