@@ -315,7 +315,8 @@ PY
       rm -rf $SC_OUT; mkdir -p $SC_OUT
       # the target converted once, here: two model steps at once would race on data/models/<name>.partial
       python3 -m pipeline model --config $CONFIG > "$LOGS/model.log" 2>&1 || { tail -5 "$LOGS/model.log"; exit 1; }
-      OUT=$SC_OUT N=${SC_N:-$([ "$S8_STREAM" = warm ] && echo 40 || echo 300)} BUDGET=${SC_BUDGET:-600} setsid nohup bash tests/bench/h200/run.sh stream-check \
+      SC_N=${SC_N:-$([ "$S8_STREAM" = warm ] && echo 40 || echo 300)}
+      OUT=$SC_OUT N=$SC_N BUDGET=${SC_BUDGET:-600} setsid nohup bash tests/bench/h200/run.sh stream-check \
         > "$LOGS/stream-check.out" 2>&1 < /dev/null &
       echo $! > $SC_OUT/pid; echo "[s8] stream-check detached (pid $!), verdict in $SC_OUT/stream-check/verdict.txt"
     fi
