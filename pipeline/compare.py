@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import FINGERPRINTED_UNLESS_DEFAULT, NOT_FINGERPRINTED, RUN_LOCATION_KEYS
+from .config import what_it_computes
 from .manifest import MANIFEST, read_manifest, sha256_file
 
 ORDER = ["model", "prepare", "extract", "verify", "vocab", "train", "eval", "report"]
@@ -171,20 +171,9 @@ def compare_eval(pa: Path, pb: Path) -> dict:
 
 
 def _what_it_computes(m: dict) -> dict | None:
-    """A manifest's config sections without where the run lives (run.name, run.runs_dir: not what it computes)."""
-    sections = json.loads(json.dumps(m.get("config_sections")))
-    if isinstance(sections, dict) and isinstance(sections.get("run"), dict):
-        for k in RUN_LOCATION_KEYS:
-            sections["run"].pop(k, None)
-    if isinstance(sections, dict):
-        for section, key in NOT_FINGERPRINTED:  # how a step ran, not what it computed
-            if isinstance(sections.get(section), dict):
-                sections[section].pop(key, None)
-        # a key at its default is what a manifest from before the key meant
-        for (section, key), default in FINGERPRINTED_UNLESS_DEFAULT.items():
-            if isinstance(sections.get(section), dict) and sections[section].get(key, default) == default:
-                sections[section].pop(key, None)
-    return sections
+    """A manifest's config sections as its fingerprint saw them (config.what_it_computes)."""
+    sections = m.get("config_sections")
+    return what_it_computes(sections) if isinstance(sections, dict) else sections
 
 
 def compare_runs(a: Path, b: Path, max_files: int = 0) -> dict:

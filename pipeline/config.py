@@ -241,15 +241,7 @@ class Config:
 
     def section_hash(self, *sections: str) -> str:
         """Hash of the named sections: a step's fingerprint uses only what it depends on."""
-        blob = {s: dataclasses.asdict(getattr(self, s)) for s in sections}
-        if "run" in blob:  # where a run lives does not change what it computes
-            blob["run"] = {k: v for k, v in blob["run"].items() if k not in RUN_LOCATION_KEYS}
-        for section, key in NOT_FINGERPRINTED:
-            if section in blob:
-                blob[section].pop(key, None)
-        for (section, key), default in FINGERPRINTED_UNLESS_DEFAULT.items():
-            if section in blob and blob[section].get(key) == default:
-                blob[section].pop(key)
+        blob = what_it_computes({s: dataclasses.asdict(getattr(self, s)) for s in sections})
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -267,6 +259,25 @@ FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnode
                                  ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): [],
                                  ("train", "mask_loops"): False, ("eval", "heldout_source"): "",
                                  ("train", "hidden_states"): "disk"}
+
+
+
+def what_it_computes(sections: dict) -> dict:
+    """Config sections (name -> dict of keys) without what does not change a step's outputs: where a run lives,
+    how a step runs (NOT_FINGERPRINTED), and keys at the default that runs from before the key existed lack. What
+    fingerprints hash and what `pipeline.compare` holds two runs' manifests to."""
+    out = {name: dict(keys) if isinstance(keys, dict) else keys for name, keys in sections.items()}
+    if isinstance(out.get("run"), dict):
+        for key in RUN_LOCATION_KEYS:
+            out["run"].pop(key, None)
+    for section, key in NOT_FINGERPRINTED:
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    for (section, key), default in FINGERPRINTED_UNLESS_DEFAULT.items():
+        if isinstance(out.get(section), dict) and out[section].get(key, default) == default:
+            out[section].pop(key, None)
+    return out
+
 
 # model.precision values the stream path takes (plain floating-point weights transformers loads as they are)
 STREAMABLE_PRECISIONS = ("bf16", "fp16", "fp32")

@@ -156,6 +156,19 @@ def test_allow_insufficient_disk_is_not_part_of_the_fingerprint(fake_run):
     assert fake_run.section_hash("extract") == a
 
 
+def test_verify_read_workers_is_in_neither_the_fingerprint_nor_compare(fake_run):
+    """How many threads read verify's files changes how it runs, not what it computes."""
+    from pipeline.compare import _what_it_computes
+
+    a = fake_run.section_hash("verify")
+    fake_run.verify.read_workers = 3
+    assert fake_run.section_hash("verify") == a
+    old = {"config_sections": {"verify": {"parity_samples": 8}}}
+    new = {"config_sections": {"verify": {"parity_samples": 8, "read_workers": 3}}}
+    other = {"config_sections": {"verify": {"parity_samples": 4, "read_workers": 3}}}
+    assert _what_it_computes(old) == _what_it_computes(new) != _what_it_computes(other)
+
+
 # ---------------------------------------------------------------- shards
 def test_shard_slices_are_disjoint_and_cover_everything():
     items = list(range(23))
