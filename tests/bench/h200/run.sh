@@ -307,7 +307,7 @@ PY
     # S8_STREAM=auto (session 21): the stream-check runs detached beside the chain's data steps (they regenerate on
     # the GPU and tokenize on the CPU for ~400 s; the check takes ~250 s), and the chain reads its verdict before
     # extract: "agree" streams the hidden states into training, anything else takes the disk path (extract, verify)
-    # S8_STREAM=warm (session 22): the same detached check (SC_N=40 by default), but the chain takes the disk path
+    # S8_STREAM=warm (session 22): the same detached check (SC_N=100 by default), but the chain takes the disk path
     # without waiting for it: its trainings fill the torch.compile caches (.cache/inductor, .cache/triton) beside
     # the data steps. Session 22's disk run, with no check before it, spent 116 s of its first step compiling the
     # draft's forward; session 21's, after the check had compiled it, 12.6 s.
@@ -315,7 +315,9 @@ PY
       rm -rf $SC_OUT; mkdir -p $SC_OUT
       # the target converted once, here: two model steps at once would race on data/models/<name>.partial
       python3 -m pipeline model --config $CONFIG > "$LOGS/model.log" 2>&1 || { tail -5 "$LOGS/model.log"; exit 1; }
-      SC_N=${SC_N:-$([ "$S8_STREAM" = warm ] && echo 40 || echo 300)}
+      # SC_N=100, not 40: 40 first turns at data.eval_fraction 0.02 give no eval sample, and prepare refuses them
+      # (session 23 lost its warm-up so, 9 s in); 100 give 3 (NOTES "Session 23" has the command that counts them)
+      SC_N=${SC_N:-$([ "$S8_STREAM" = warm ] && echo 100 || echo 300)}
       OUT=$SC_OUT N=$SC_N BUDGET=${SC_BUDGET:-600} setsid nohup bash tests/bench/h200/run.sh stream-check \
         > "$LOGS/stream-check.out" 2>&1 < /dev/null &
       echo $! > $SC_OUT/pid; echo "[s8] stream-check detached (pid $!), verdict in $SC_OUT/stream-check/verdict.txt"
@@ -443,6 +445,10 @@ PY
     # (slim, tars in 15-MB pieces; as many as fit 60 MB per call: one 16k draft is 36 MB, so one per call), with
     # ALSO_EPOCH its epoch-N checkpoint too, and the newest epoch of each draft still training when the deadline is
     # near; logs, manifests, speed always.
+    # no launch on this machine: the machine that ran it was given back (a late next call), the chain with it.
+    # Say so and return at once (session 23's wait found a fresh machine and held it 549 s for nothing)
+    [ -f "$LOGS/s8-chain.log" ] || { echo "[s8] no chain on this machine ($LOGS/s8-chain.log missing): the launch's" \
+      "machine was lost, and its chain with it; launch again (run.sh stage first) or stop"; exit 3; }
     mkdir -p .cache/h200-send
     DEADLINE=${DEADLINE:-$(cat .cache/h200-send/deadline 2>/dev/null)}
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
