@@ -89,6 +89,11 @@ MAIN=smollm2-quality-h200
 DATA="data.path=data/packages/sharegpt-first-turns.jsonl.gz"
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+# a wait phase on a machine where nothing was launched: the launch's machine was given back (a late next call), and
+# its detached runs with it. Say so, so that the wait returns at once instead of holding a fresh machine for nothing
+# (session 23's s8-wait held one 549 s)
+launched_here() { [ -f "$1" ] || { echo "[h200] nothing launched on this machine ($1 missing): the launch's" \
+  "machine was lost, and its runs with it; launch again (run.sh stage first) or stop"; return 1; }; }
 mkdir -p "$OUT" "$LOGS" data/packages
 export PYTHONUNBUFFERED=1
 if [ -d .whl ] && command -v nvidia-smi > /dev/null; then   # the device machine lacks these packages
@@ -256,6 +261,7 @@ PY
   wait)
     # Hold the machine while the detached runs train (stop early once both are done); then send back one finished
     # draft per call (the outbound limit: 8 files, 64 MiB) and the logs/metrics of both.
+    launched_here "$LOGS/train-$MAIN.log" || exit 3
     finished() { [ -f runs/$1/train/manifest.json ]; }
     while [ "$(left)" -gt 20 ] && ! { finished $MAIN && finished $MAIN-l2; }; do sleep 10; done
     for name in $MAIN $MAIN-l2; do
@@ -445,10 +451,7 @@ PY
     # (slim, tars in 15-MB pieces; as many as fit 60 MB per call: one 16k draft is 36 MB, so one per call), with
     # ALSO_EPOCH its epoch-N checkpoint too, and the newest epoch of each draft still training when the deadline is
     # near; logs, manifests, speed always.
-    # no launch on this machine: the machine that ran it was given back (a late next call), the chain with it.
-    # Say so and return at once (session 23's wait found a fresh machine and held it 549 s for nothing)
-    [ -f "$LOGS/s8-chain.log" ] || { echo "[s8] no chain on this machine ($LOGS/s8-chain.log missing): the launch's" \
-      "machine was lost, and its chain with it; launch again (run.sh stage first) or stop"; exit 3; }
+    launched_here "$LOGS/s8-chain.log" || exit 3
     mkdir -p .cache/h200-send
     DEADLINE=${DEADLINE:-$(cat .cache/h200-send/deadline 2>/dev/null)}
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
