@@ -261,7 +261,6 @@ FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnode
                                  ("train", "hidden_states"): "disk"}
 
 
-
 def what_it_computes(sections: dict) -> dict:
     """Config sections (name -> dict of keys) without what does not change a step's outputs: where a run lives,
     how a step runs (NOT_FINGERPRINTED), and keys at the default that runs from before the key existed lack. What
