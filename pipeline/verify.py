@@ -56,7 +56,7 @@ def run(cfg: Config, out: Path) -> dict:
     general = [p for p in coverage_problems(src, split_indices(names)) if not p.endswith(": missing")]  # missing: per file
     sample = set(parity_sample(cfg, names))
 
-    model = load_model(cfg.model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+    model = load_model(cfg.model_path, cfg.model.dtype, cfg.model.trust_remote_code, cfg.verify.device)
     checks = ContentChecks(model, layer_ids, meta["num_hidden_layers"], cfg.verify.prefix_tokens,
                            cfg.verify.head_positions, cfg.verify.prefix_min_cosine, cfg.verify.max_norm_deviation,
                            cfg.run.seed, cfg.verify.head_fraction)
@@ -163,6 +163,7 @@ def run(cfg: Config, out: Path) -> dict:
             "content_checks_s": round(content_s, 1),
             "read_workers": workers,
             "content_read_wait_s": round(read_wait, 1),
+            "reference_device": str(model.device),
         }
     }
 

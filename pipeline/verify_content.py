@@ -166,8 +166,8 @@ class ContentChecks:
     @torch.no_grad()
     def _head_hits(self, states: torch.Tensor, next_ids: list[int]) -> torch.Tensor:
         """[n] bool: the next token is among the head's top-k for each final pre-norm state [n, H]."""
-        logits = self._norm(states.to(self._dtype)) @ self._head_w.T  # the head in the model's dtype
-        top = logits.topk(TOP_K, dim=-1).indices
+        logits = self._norm(states.to(self._head_w.device, self._dtype)) @ self._head_w.T  # the model's dtype and device
+        top = logits.topk(TOP_K, dim=-1).indices.cpu()
         return (top == torch.tensor(next_ids)[:, None]).any(-1)
 
     def _flush_head(self) -> None:

@@ -127,3 +127,23 @@ def test_muon_newton_schulz_runs_in_float32_on_cpu():
             assert not torch.allclose(ours, theirs.float(), atol=0, rtol=0)  # computed apart, not the same bf16 call
     finally:
         muon._zeropower_via_newtonschulz = original
+
+
+def test_verify_device_is_a_choice_fingerprinted_only_away_from_cpu(tmp_path):
+    """verify.device moves the transformers reference (session 24: 213 s of CPU work on the H200). Runs from before
+    the key existed keep their verify fingerprint; a reference on another device is another verification."""
+    import torch
+
+    from pipeline.engines.hf_reference import resolve_device
+
+    with pytest.raises(ConfigError, match=r"verify\.device = 'gpu'; expected one of \['auto', 'cpu', 'cuda'\]"):
+        load_config(write_config(tmp_path / "c.toml", tmp_path, "x", verify={"device": "gpu"}))
+    base = load_config(write_config(tmp_path / "a.toml", tmp_path, "x"))
+    cpu = load_config(write_config(tmp_path / "b.toml", tmp_path, "x", verify={"device": "cpu"}))
+    auto = load_config(write_config(tmp_path / "d.toml", tmp_path, "x", verify={"device": "auto"}))
+    assert base.verify.device == "cpu" and base.section_hash("verify") == cpu.section_hash("verify")
+    assert auto.section_hash("verify") != base.section_hash("verify")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():  # asked for a GPU that is not there: said, with the key that fixes it
+        with pytest.raises(RuntimeError, match=r"no CUDA device.*verify\.device = \"cpu\""):
+            resolve_device("cuda")

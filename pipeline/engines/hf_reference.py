@@ -11,11 +11,22 @@ import torch
 from ..layers import hf_reference_index
 
 
-def load_model(path, dtype: str = "bfloat16", trust_remote_code: bool = False):
+def load_model(path, dtype: str = "bfloat16", trust_remote_code: bool = False, device: str = "cpu"):
+    """The target in transformers, on `device` ("cpu", "cuda" or "auto": cuda when torch sees a GPU). Whatever the
+    device, `hidden_states` returns CPU tensors."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
-    return model.eval()
+    return model.to(resolve_device(device)).eval()
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"the transformers reference was asked to run on {device!r}, but torch sees no CUDA device "
+                           f"(torch {torch.__version__}): set verify.device = \"cpu\" or \"auto\" in the config")
+    return torch.device(device)
 
 
 def decoder_layers(model):
@@ -54,12 +65,13 @@ def hidden_states(model, token_ids, layer_ids: list[int]) -> torch.Tensor:
 
     handle = layers[-1].register_forward_hook(hook)
     try:
-        out = model(torch.tensor(token_ids if batch else [token_ids]), output_hidden_states=True, use_cache=False)
+        out = model(torch.tensor(token_ids if batch else [token_ids], device=model.device), output_hidden_states=True,
+                    use_cache=False)
     finally:
         handle.remove()
     cols = []
     for lid in layer_ids:
         idx = hf_reference_index(lid, n)
         cols.append(out.hidden_states[idx] if idx is not None else captured["last"])
-    states = torch.stack(cols, dim=2)  # [B, T, L, H]
+    states = torch.stack(cols, dim=2).cpu()  # [B, T, L, H]
     return states if batch else states[0]

@@ -400,7 +400,9 @@ PY
     fi
     if [ "${S8_STREAM:-0}" != 1 ]; then
       run8 extract || exit 1
-      run8 verify || { run8 extract --redo-failed && run8 verify; } || exit 1
+      # verify.device = "cuda" in the config (session 25); a verify that fails there runs again on the CPU (as in
+      # sessions 15-24) before the failed files are extracted again
+      run8 verify || run8 verify --set 'verify.device="cpu"' || { run8 extract --redo-failed && run8 verify; } || exit 1
     fi
     wait $VOCAB; rc=$?; cat "$LOGS/s8-vocab.log"; [ $rc = 0 ] || exit 1
     TOK=$(python3 -c "import json; m=json.load(open('runs/s8-allturns/prepare/manifest.json')); print(m['summary']['tokens'])" 2>/dev/null || echo 10000000)
