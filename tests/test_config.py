@@ -147,3 +147,32 @@ def test_verify_device_is_a_choice_fingerprinted_only_away_from_cpu(tmp_path):
     if not torch.cuda.is_available():  # asked for a GPU that is not there: said, with the key that fixes it
         with pytest.raises(RuntimeError, match=r"no CUDA device.*verify\.device = \"cpu\""):
             resolve_device("cuda")
+
+
+def test_a_dirty_checkout_records_the_tree_that_ran(tmp_path):
+    """A copy of a newer tree beside an older .git reads as the older commit, dirty; `tree` names the content itself:
+    equal to the tree of the commit that holds exactly those files, and the checkout's own index stays as it was."""
+    import subprocess
+
+    from pipeline.manifest import git_commit
+
+    def git(*a):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "step.py").write_text("a = 1\n")
+    (tmp_path / ".gitignore").write_text("cache/\n")
+    git("add", "-A"); git("commit", "-qm", "old")
+    old = git("rev-parse", "HEAD")
+    clean = git_commit(tmp_path)
+    assert clean == {"commit": old, "dirty": False}
+    (tmp_path / "step.py").write_text("a = 2\n")       # the newer tree: a changed file, a new one, an ignored one
+    (tmp_path / "new.py").write_text("b = 1\n")
+    (tmp_path / "cache").mkdir(); (tmp_path / "cache" / "x").write_text("litter\n")
+    index_before = (tmp_path / ".git" / "index").read_bytes()
+    ran = git_commit(tmp_path)
+    assert ran["commit"] == old and ran["dirty"] is True
+    assert (tmp_path / ".git" / "index").read_bytes() == index_before
+    git("add", "-A"); git("commit", "-qm", "new")
+    assert ran["tree"] == git("rev-parse", "HEAD^{tree}") != git("rev-parse", f"{old}^{{tree}}")
