@@ -258,9 +258,9 @@ NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_bac
 # Keys that change results only away from their default (the world size changes the global batch): left out of
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
 FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
-                                 ("verify", "device"): "cpu", ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): [],
+                                 ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): [],
                                  ("train", "mask_loops"): False, ("eval", "heldout_source"): "",
-                                 ("train", "hidden_states"): "disk"}
+                                 ("train", "hidden_states"): "disk", ("verify", "device"): "cpu"}
 
 
 def what_it_computes(sections: dict) -> dict:
