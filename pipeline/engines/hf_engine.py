@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from .hf_reference import decoder_layers
+from .hf_reference import decoder_layers, resolve_device
 from .vllm_offline import Generation
 
 
 def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device("auto")
 
 
 def load_target(path, dtype: str, trust_remote_code: bool = False, dev: torch.device | None = None):

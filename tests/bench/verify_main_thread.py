@@ -51,18 +51,22 @@ def main() -> None:
                       num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).to(resolve_device(a.device)).eval()
     rng = random.Random(0)
-    prefix = [rng.randrange(49152) for _ in range(16)]
+    prefix = [rng.randrange(cfg.vocab_size) for _ in range(16)]
     ref = hidden_states(model, prefix, LAYER_IDS)  # [16, L, H] on the CPU
+    hidden, vocab = cfg.hidden_size, cfg.vocab_size
     files = []
     for i in range(a.files):
         n = rng.randint(a.tokens // 2, a.tokens * 3 // 2)
-        ids = prefix + [rng.randrange(49152) for _ in range(n - 16)]
-        hs = torch.randn(n, len(LAYER_IDS), 576).to(torch.bfloat16)
+        ids = prefix + [rng.randrange(vocab) for _ in range(n - 16)]
+        hs = torch.randn(n, len(LAYER_IDS), hidden).to(torch.bfloat16)
         hs[:16] = ref
         mask = [0] * 40 + [1] * (n - 40)
         files.append((f"train/hs_{i}.safetensors", hs, ids, mask, file_facts(hs)))
+    def checks():  # verify's defaults: 16 prefix tokens, 32 head positions, cosine 0.995, norms within 2 %
+        return ContentChecks(model, LAYER_IDS, cfg.num_hidden_layers, 16, 32, 0.995, 0.02, 0)
+
     prof = cProfile.Profile() if a.profile else None
-    dt, summary = timed(ContentChecks(model, LAYER_IDS, 30, 16, 32, 0.995, 0.02, 0), files, prof)
+    dt, summary = timed(checks(), files, prof)
     print(f"device {a.device}, torch threads {torch.get_num_threads()}, {a.files} files, "
           f"{sum(len(f[2]) for f in files):,} tokens, prefix forwards {summary['prefix-parity']['reference_forwards']}")
     print(f"add + finish: {dt:.2f} s ({1000 * dt / a.files:.2f} ms a file)")
@@ -70,8 +74,8 @@ def main() -> None:
         default = torch.get_num_threads()
         for threads in (default, 1, 2, 4):
             torch.set_num_threads(threads)
-            with busy_readers(8):
-                dt, _ = timed(ContentChecks(model, LAYER_IDS, 30, 16, 32, 0.995, 0.02, 0), files, None)
+            with busy_readers(8, files[0][1]):
+                dt, _ = timed(checks(), files, None)
             print(f"beside 8 busy readers, torch threads {threads}: {dt:.2f} s ({1000 * dt / a.files:.2f} ms a file)")
         torch.set_num_threads(default)
     if prof:
@@ -91,20 +95,17 @@ def timed(checks, files, prof) -> tuple[float, dict]:
 
 
 class busy_readers:
-    """n threads doing what verify's readers do between files: sha256 of a file's bytes, numpy bit tests."""
+    """n threads doing over and over what verify's readers do with each file they read: `file_facts` (sha256 of
+    the values, the numpy zero-row test) of one file's states `hs`."""
 
-    def __init__(self, n: int):
-        self.n, self.stop = n, False
+    def __init__(self, n: int, hs):
+        self.n, self.hs, self.stop = n, hs, False
 
     def work(self):
-        import hashlib
+        from pipeline.verify_content import file_facts
 
-        import numpy as np
-
-        buf = np.random.default_rng(0).integers(-30000, 30000, 455 * 4 * 576, dtype=np.int16)
         while not self.stop:
-            hashlib.sha256(buf).hexdigest()
-            ((buf & 0x7FFF) == 0).reshape(455, 4, 576).all(axis=-1)
+            file_facts(self.hs)
 
     def __enter__(self):
         import threading
