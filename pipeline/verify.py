@@ -41,6 +41,28 @@ def parity_sample(cfg: Config, names: list[str]) -> list[str]:
 
 def run(cfg: Config, out: Path) -> dict:
     import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _run(cfg, out)
+    finally:
+        torch.set_num_threads(threads)  # one_torch_thread_beside_readers may have lowered it
+
+
+def one_torch_thread_beside_readers(device) -> int:
+    """With the reference on a GPU, the main thread's CPU work (each file's cosines and copies) runs on one torch
+    thread. Beside verify's reader threads, torch's default team (a thread per core) oversubscribed the cores: 81 ms
+    a file on the H200 against 1.14 ms on one thread (`tests/bench/verify_main_thread.py --device cuda --contend`,
+    NOTES "Session 26"). On the CPU the reference's own forward passes need the team: unchanged. Returns the
+    threads the checks run with."""
+    import torch
+
+    if device.type == "cuda":
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
+
+
+def _run(cfg: Config, out: Path) -> dict:
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -60,6 +82,7 @@ def run(cfg: Config, out: Path) -> dict:
     checks = ContentChecks(model, layer_ids, meta["num_hidden_layers"], cfg.verify.prefix_tokens,
                            cfg.verify.head_positions, cfg.verify.prefix_min_cosine, cfg.verify.max_norm_deviation,
                            cfg.run.seed, cfg.verify.head_fraction)
+    torch_threads = one_torch_thread_beside_readers(model.device)
     structural: dict[str, list[str]] = {}
     read_stat: dict[str, tuple | None] = {}  # (size, mtime, inode) when verify read the file
     t0 = time.time()
@@ -164,6 +187,7 @@ def run(cfg: Config, out: Path) -> dict:
             "read_workers": workers,
             "content_read_wait_s": round(read_wait, 1),
             "reference_device": str(model.device),
+            "main_thread_torch_threads": torch_threads,
         }
     }
 

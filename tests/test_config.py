@@ -149,6 +149,31 @@ def test_verify_device_is_a_choice_fingerprinted_only_away_from_cpu(tmp_path):
             resolve_device("cuda")
 
 
+def test_verify_checks_on_one_torch_thread_beside_a_gpu_reference_and_restores_the_rest(monkeypatch):
+    """Beside verify's reader threads torch's default team took 81 ms a file on the H200, one thread 1.14 ms
+    (session 26): with the reference on a GPU the checks run on one thread; on the CPU, whose reference forward needs
+    the team, nothing changes; and whatever happens in the step, the process gets its thread count back."""
+    import torch
+
+    from pipeline import verify
+
+    default = torch.get_num_threads()
+    try:
+        assert verify.one_torch_thread_beside_readers(torch.device("cpu")) == default
+        assert verify.one_torch_thread_beside_readers(torch.device("cuda")) == 1
+    finally:
+        torch.set_num_threads(default)
+
+    def fails(cfg, out):
+        verify.one_torch_thread_beside_readers(torch.device("cuda"))
+        raise RuntimeError("a step that dies mid-way")
+
+    monkeypatch.setattr(verify, "_run", fails)
+    with pytest.raises(RuntimeError, match="mid-way"):
+        verify.run(None, None)
+    assert torch.get_num_threads() == default
+
+
 def test_a_dirty_checkout_records_the_tree_that_ran(tmp_path):
     """A copy of a newer tree beside an older .git reads as the older commit, dirty; `tree` names the content itself:
     equal to the tree of the commit that holds exactly those files, and the checkout's own index stays as it was."""
