@@ -120,6 +120,11 @@ class TrainConfig:
     # hidden states on the training device just before the draft's forward (pipeline/engines/stream_states.py),
     # with the same code as extract's hf engine: no extract, no verify, no disk; train then needs model, prepare, vocab.
     hidden_states: str = "disk"
+    # A drafter to start from instead of random weights (a shipped drafter, a slim folder or a speculators
+    # checkpoint; relative to the repository): its decoder layers, fc and norms, with this run's vocabulary maps and
+    # the target's embedding and lm_head. Must match this run's layer ids, num_layers and hidden size. Training then
+    # runs train.epochs more epochs with a fresh optimizer and schedule (train.lr).
+    init_from: str = ""
     extra_args: list[str] = field(default_factory=list)
     # Several training processes via torchrun (DDP through speculators; FSDP with extra_args
     # ["--fsdp-shard"]). 1 x 1 = the single-process path. On several nodes every node runs `make train`
@@ -260,7 +265,8 @@ NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_bac
 FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,
                                  ("eval", "draft"): "", ("data", "sources"): [], ("data", "weights"): [],
                                  ("train", "mask_loops"): False, ("eval", "heldout_source"): "",
-                                 ("train", "hidden_states"): "disk", ("verify", "device"): "cpu"}
+                                 ("train", "hidden_states"): "disk", ("verify", "device"): "cpu",
+                                 ("train", "init_from"): ""}
 
 
 def what_it_computes(sections: dict) -> dict:

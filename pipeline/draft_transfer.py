@@ -97,10 +97,7 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     meta, weights = _read_slim(slim_dir)
-    target_weights = {}
-    for f in sorted(target.glob("*.safetensors")):
-        target_weights.update(load_file(str(f)))
-    embed = target_weights[_embed_key(target_weights)]
+    embed = target_input_embedding(target)
     if list(embed.shape) != meta["shape"]:
         raise ValueError(f"target embedding {list(embed.shape)} != the draft's {meta['shape']}")
     dtype = getattr(torch, meta["dtype"])
@@ -110,6 +107,18 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
     save_file(weights, str(out / "model.safetensors"))
     assert torch.equal(load_file(str(out / "model.safetensors"))[meta["removed"]], embed.to(dtype))
     return out
+
+
+def target_input_embedding(target: Path):
+    """The target's input embedding (what a speculators draft holds, frozen, as `embed_tokens.weight`)."""
+    from safetensors import safe_open
+
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            found = [k for k in st.keys() if k.endswith(EMBED) and "vision" not in k]
+            if found:
+                return st.get_tensor(found[0])
+    raise ValueError(f"{target}: no *{EMBED} in its safetensors")
 
 
 def _served_weights(src: Path) -> dict:

@@ -30,7 +30,17 @@ DRAFT_FILES = ("config.json", "model.safetensors")
 def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
     """(upstream steps, extra inputs): eval of a drafter made elsewhere (eval.draft) needs only the model step,
     and the drafter's files stand in for the train step's outputs in its fingerprint; prepare of a mix
-    (data.sources) has its files' contents in its fingerprint."""
+    (data.sources) has its files' contents in its fingerprint; so has train of the drafter it starts from
+    (train.init_from)."""
+    upstream, extra = _upstream_of(cfg, step)
+    if step == "train" and cfg.train.init_from:
+        from .train import init_files
+
+        extra = {**extra, "init_from": {f.name: sha256_file(f) for f in init_files(cfg)}}
+    return upstream, extra
+
+
+def _upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
     upstream = STEPS[step][2]
     if cfg.train.hidden_states == "stream" and step in ("train", "report"):
         # the target computes the hidden states inside train: no extract or verify upstream; what it computes

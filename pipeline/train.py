@@ -104,6 +104,8 @@ def preflight(cfg: Config) -> None:
     """Before the step runner touches runs/<run>/train: a speculators without its patch series is refused here, so
     `train --force` in a wrong environment keeps the checkpoints it has."""
     require_patched_speculators()
+    if cfg.train.init_from:  # a drafter that cannot start this run is refused before anything is redone
+        check_init(cfg)
 
 
 def stream_spec(cfg: Config) -> dict | None:
@@ -144,12 +146,19 @@ def run(cfg: Config, out: Path) -> dict:
         raise StepError("the eval split is empty; raise data.max_conversations or data.eval_fraction")
     args = speculators_args(cfg, out, aux, vocab_dir)
     args += ["--train-data-ratio", str((n_train + 0.5) / (n_train + n_eval))]
+    cold = list(args)  # the untrained floor stays a random draft of this shape, warm start or not
+    init = write_init(cfg, vocab_dir, out / "init") if cfg.train.init_from else None
+    if init:  # speculators refuses --num-layers beside --from-pretrained: the drafter's own shape (checked) stands
+        i = args.index("--num-layers")
+        args[i:i + 2] = ["--from-pretrained", str(init["dir"])]
+        print(f"[train] starting from {cfg.train.init_from} ({init['weights']} tensors kept; embedding and lm_head the "
+              f"target's, vocabulary maps this run's)")
     (out / "train_command.txt").write_text(" ".join(["speculators", "train", *args]) + "\n"
                                            + (f"# hidden states streamed (--stream): {json.dumps(stream)}\n" if stream else ""))
 
     untrained = out / "untrained"
     if not (untrained / "model.safetensors").exists():
-        dry = [*_replace(args, "--save-path", str(untrained)), "--dry-run"]
+        dry = [*_replace(cold, "--save-path", str(untrained)), "--dry-run"]
         if "--hidden-states-dtype" in dry:  # the dry run saves in this dtype: bf16, as the trained checkpoints
             dry = _replace(dry, "--hidden-states-dtype", "bfloat16")
         _speculators(out, dry, "untrained", out / "untrained.jsonl", stream=stream)
@@ -162,6 +171,7 @@ def run(cfg: Config, out: Path) -> dict:
         link.unlink()
     link.symlink_to(final.relative_to(out))
     check = check_draft_checkpoint(final, aux, cfg.vocab.draft_vocab_size, vocab_dir)
+    check_frozen_weights(final, cfg.model_path, vocab_dir)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
     plot_curves(rows, out / "curves.png")
     val = [r for r in rows if "val" in r]
@@ -178,9 +188,105 @@ def run(cfg: Config, out: Path) -> dict:
         "eagle_aux_hidden_state_layer_ids": check["aux_ids"],
         "final_val": val_summary(val[-1]["val"] if val else {}),
         "train_tokens_per_s": train_throughput(rows),
+        **({"init_from": {"path": cfg.train.init_from, **{k: v for k, v in init.items() if k != "dir"}}} if init else {}),
     }
     return {"summary": summary}
 
+
+def init_files(cfg: Config) -> list[Path]:
+    """The weight and config files of the drafter train.init_from names (what train's fingerprint hashes)."""
+    src = cfg.path(cfg.train.init_from)
+    if (src / "slim.json").exists():
+        names = ["config.json", "slim.json", *json.loads((src / "slim.json").read_text())["files"]]
+    else:
+        names = ["config.json", "model.safetensors"]
+    missing = [n for n in names if not (src / n).is_file()]
+    if missing:
+        raise StepError(f"train.init_from = {cfg.train.init_from!r} in {cfg.source_path or 'the config'}: {src} lacks "
+                        f"{', '.join(missing)}; point it at a drafter folder (a shipped drafter, a slim folder or a "
+                        f"speculators checkpoint), or set it to \"\" to start from random weights")
+    return [src / n for n in names]
+
+
+def check_init(cfg: Config) -> dict:
+    """train.init_from's config.json, once its files are there and its shape is this run's: EAGLE-3, the same aux
+    layer ids (the configured ones; train checks them against the extraction's), decoder layers and hidden size."""
+    src = cfg.path(cfg.train.init_from)
+    init_files(cfg)
+    conf = json.loads((src / "config.json").read_text())
+    layer = conf.get("transformer_layer_config", {})
+    require_manifest(cfg, "model")  # the target's config.json: "run the model step" first
+    ids, _, hidden = resolve_layer_ids(cfg)
+    wrong = [f"{what} {got} (this run: {want})" for what, got, want in (
+        ("speculators_model_type", conf.get("speculators_model_type"), "eagle3"),
+        ("eagle_aux_hidden_state_layer_ids", conf.get("eagle_aux_hidden_state_layer_ids"), ids[:-1]),
+        ("num_hidden_layers", layer.get("num_hidden_layers"), cfg.train.num_layers),
+        ("hidden_size", layer.get("hidden_size"), hidden)) if got != want]
+    if wrong:
+        raise StepError(f"train.init_from = {cfg.train.init_from!r} in {cfg.source_path or 'the config'}: "
+                        f"{src / 'config.json'} has " + "; ".join(wrong) + ": it cannot start this run (set "
+                        "train.num_layers or extract.layer_ids to match it, or start from random weights with "
+                        "train.init_from = \"\")")
+    return conf
+
+
+def write_init(cfg: Config, vocab_dir: Path, out: Path) -> dict:
+    """train.init_from as speculators' --from-pretrained reads it, in OUT: the drafter's decoder layers, fc and norms,
+    with the target's embedding and this run's rows of the target's lm_head (what speculators gives a new draft, and
+    never trains), float32. Every tensor must be in the folder: speculators 0.9's from_pretrained initialises a
+    missing embedding or lm_head at random and says at most "MISSING" in its log (session 26). The drafter's shape
+    is checked against this run's first."""
+    from safetensors.torch import save_file
+
+    from .draft_transfer import EMBED, _served_weights, target_input_embedding
+
+    src = cfg.path(cfg.train.init_from)
+    conf = check_init(cfg)
+    # float32, as a draft speculators initialises itself: its optimizer updates these weights (a bf16 config makes
+    # from_pretrained load bf16 parameters, which the CPU path's float32 states cannot even multiply)
+    weights = {k: v.float() for k, v in _served_weights(src).items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    weights[EMBED] = target_input_embedding(cfg.model_path).float()
+    weights["lm_head.weight"] = lm_head_rows(cfg.model_path, vocab_dir).float()
+    source_vocab = conf.get("draft_vocab_size")
+    conf["draft_vocab_size"] = cfg.vocab.draft_vocab_size  # this run's maps decide the lm_head's rows
+    conf["dtype"] = "float32"
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    return {"dir": out, "weights": len(weights) - 2, "source_draft_vocab_size": source_vocab}
+
+
+def lm_head_rows(target: Path, vocab_dir: Path):
+    """The target's output embedding at this run's draft vocabulary (t2d): a speculators draft's lm_head."""
+    import numpy as np
+    import torch
+
+    from .draft_transfer import target_output_embedding
+
+    head = target_output_embedding(target)
+    t2d = torch.from_numpy(np.load(vocab_dir / "t2d.npy")).bool()
+    return head if bool(t2d.all()) else head[t2d]
+
+
+def check_frozen_weights(ckpt: Path, target: Path, vocab_dir: Path) -> None:
+    """The draft's embedding and lm_head are the target's (its lm_head at the draft vocabulary's rows), frozen:
+    speculators copies them in and never trains them. Anything else (a warm start whose embedding or lm_head was
+    lost and initialised at random) drafts from other token vectors than vLLM gives it, and says nothing."""
+    import torch
+    from safetensors import safe_open
+
+    from .draft_transfer import EMBED, target_input_embedding
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        for key, want in ((EMBED, lambda: target_input_embedding(target)),
+                          ("lm_head.weight", lambda: lm_head_rows(target, vocab_dir))):
+            if key not in keys:
+                continue  # a form without it: served with the target's
+            got, ref = f.get_tensor(key), want()
+            if got.shape != ref.shape or not torch.equal(got, ref.to(got.dtype)):
+                raise StepError(f"{ckpt / 'model.safetensors'}: {key} is not the target's ({target}); speculators "
+                                f"trained the draft on other token vectors than vLLM gives it")
 
 def checkpoint_complete(d: Path) -> bool:
     """An epoch folder speculators can resume from: the config, the whole weights file (its safetensors header
