@@ -111,14 +111,20 @@ def restore(slim_dir: Path, target: Path, out: Path) -> Path:
 
 def target_input_embedding(target: Path):
     """The target's input embedding (what a speculators draft holds, frozen, as `embed_tokens.weight`)."""
+    return _target_tensor(target, EMBED)
+
+
+def _target_tensor(target: Path, *suffixes: str):
+    """The first tensor in the target's safetensors named *suffix (vision towers' skipped), suffixes tried in order."""
     from safetensors import safe_open
 
-    for f in sorted(target.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            found = [k for k in st.keys() if k.endswith(EMBED) and "vision" not in k]
-            if found:
-                return st.get_tensor(found[0])
-    raise ValueError(f"{target}: no *{EMBED} in its safetensors")
+    for suffix in suffixes:
+        for f in sorted(target.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                found = [k for k in st.keys() if k.endswith(suffix) and "vision" not in k]
+                if found:
+                    return st.get_tensor(found[0])
+    raise ValueError(f"{target}: no tensor named *{' nor *'.join(suffixes)} in its safetensors")
 
 
 def _served_weights(src: Path) -> dict:
@@ -151,15 +157,7 @@ def ship(src: Path, out: Path) -> Path:
 def target_output_embedding(target: Path):
     """The target's lm_head weight, or its input embedding where it has none (tied, as in SmolLM2: speculators
     takes the same fallback when it copies the head into a draft)."""
-    from safetensors import safe_open
-
-    for suffix in ("lm_head.weight", EMBED):
-        for f in sorted(target.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as st:
-                found = [k for k in st.keys() if k.endswith(suffix) and "vision" not in k]
-                if found:
-                    return st.get_tensor(found[0])
-    raise ValueError(f"{target}: neither lm_head.weight nor *{EMBED} in its safetensors")
+    return _target_tensor(target, "lm_head.weight", EMBED)
 
 
 def widen(src: Path, target: Path, out: Path, name: str | None = None) -> Path:
