@@ -288,6 +288,7 @@ def check_frozen_weights(ckpt: Path, target: Path, vocab_dir: Path) -> None:
                 raise StepError(f"{ckpt / 'model.safetensors'}: {key} is not the target's ({target}); speculators "
                                 f"trained the draft on other token vectors than vLLM gives it")
 
+
 def checkpoint_complete(d: Path) -> bool:
     """An epoch folder speculators can resume from: the config, the whole weights file (its safetensors header
     and every tensor's bytes present) and a readable optimizer archive. A kill while speculators writes an
