@@ -150,7 +150,7 @@ def run(cfg: Config, out: Path) -> dict:
     init = write_init(cfg, vocab_dir, out / "init") if cfg.train.init_from else None
     if init:  # speculators refuses --num-layers beside --from-pretrained: the drafter's own shape (checked) stands
         i = args.index("--num-layers")
-        args[i:i + 2] = ["--from-pretrained", str(init["dir"])]
+        args[i:i + 2] = ["--from-pretrained", str(out / "init")]
         print(f"[train] starting from {cfg.train.init_from} ({init['weights']} tensors kept; embedding and lm_head the "
               f"target's, vocabulary maps this run's)")
     (out / "train_command.txt").write_text(" ".join(["speculators", "train", *args]) + "\n"
@@ -188,7 +188,7 @@ def run(cfg: Config, out: Path) -> dict:
         "eagle_aux_hidden_state_layer_ids": check["aux_ids"],
         "final_val": val_summary(val[-1]["val"] if val else {}),
         "train_tokens_per_s": train_throughput(rows),
-        **({"init_from": {"path": cfg.train.init_from, **{k: v for k, v in init.items() if k != "dir"}}} if init else {}),
+        **({"init_from": {"path": cfg.train.init_from, **init}} if init else {}),
     }
     return {"summary": summary}
 
@@ -253,7 +253,7 @@ def write_init(cfg: Config, vocab_dir: Path, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-    return {"dir": out, "weights": len(weights) - 2, "source_draft_vocab_size": source_vocab}
+    return {"weights": len(weights) - 2, "source_draft_vocab_size": source_vocab}
 
 
 def lm_head_rows(target: Path, vocab_dir: Path):
@@ -264,8 +264,7 @@ def lm_head_rows(target: Path, vocab_dir: Path):
     from .draft_transfer import target_output_embedding
 
     head = target_output_embedding(target)
-    t2d = torch.from_numpy(np.load(vocab_dir / "t2d.npy")).bool()
-    return head if bool(t2d.all()) else head[t2d]
+    return head[torch.from_numpy(np.load(vocab_dir / "t2d.npy")).bool()]
 
 
 def check_frozen_weights(ckpt: Path, target: Path, vocab_dir: Path) -> None:
