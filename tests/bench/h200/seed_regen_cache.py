@@ -123,7 +123,8 @@ def check_sidecar(seed: Path, cfg) -> None:
 
 def answers_only(src: Path, out: Path) -> int:
     """CONVERSATIONS -> {"id", "answers"} per conversation (gzip, reproducible bytes)."""
-    opener = gzip.open if src.suffix == ".gz" else open
+    with open(src, "rb") as f:  # by content: the device returns it as regen.jsonl.gz.part.aa
+        opener = gzip.open if f.read(2) == b"\x1f\x8b" else open
     lines = []
     with opener(src, "rt") as f:
         for line in f:
