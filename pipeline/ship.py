@@ -25,6 +25,7 @@ import dataclasses
 import json
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -115,8 +116,35 @@ def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None) -> di
                   "final_val": ts.get("final_val"), "tokens_per_s": ts.get("train_tokens_per_s"),
                   "seconds": train.get("seconds"), "gpus": [g["name"] for g in (train.get("host") or {}).get("gpus", [])],
                   "packages": train.get("packages"), "patch_series_sha256": train.get("patch_series_sha256"),
-                  "git": train.get("git")},
+                  "git": train.get("git"),
+                  **({"init_from": started_from(train)} if train["config_sections"]["train"].get("init_from") else {})},
     }
+
+
+def started_from(train: dict) -> dict:
+    """The drafter a warm-started run (train.init_from) continued, by its files' sha256 as the run hashed them, and,
+    where that drafter is the one shipped at that path now (the usual case: a continuation of the shipped drafter,
+    which this ship then replaces), its results.json: where it came from (`shipped_from`, a commit that has its
+    bytes), its MT-bench AL and its own recipe, so the chain of runs behind a continued drafter stays on record."""
+    path = train["config_sections"]["train"]["init_from"]
+    files = (train.get("inputs") or {}).get("init_from") or {}
+    made = {"path": path, "files_sha256": files, **(train.get("summary", {}).get("init_from") or {})}
+    results = (REPO_ROOT / path) / RESULTS
+    try:
+        earlier = json.loads(results.read_text())
+    except (OSError, ValueError):
+        return {**made, "results": None}
+    if not files or {f: e.get("sha256") for f, e in earlier.get("files", {}).items() if f in files} != files:
+        return {**made, "results": None}  # that folder holds other bytes now than the run started from
+    try:  # the last commit that holds these bytes: `git checkout <it> -- <path>` brings the starting drafter back
+        last = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(Path(path) / "model.safetensors")],
+                              cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        last = None
+    return {**made, "committed_in": last, "results": {
+        "sha256": sha256_file(results), "shipped": earlier.get("shipped"), "shipped_from": earlier.get("shipped_from"),
+        "mtbench_acceptance_length": (earlier.get("eval") or {}).get("mtbench", {}).get("acceptance_length"),
+        "epochs": earlier.get("epochs"), "recipe": earlier.get("recipe")}}
 
 
 # What decides which conversations prepare holds out (ids are hashed with the seed; a mix prefixes its ids)

@@ -152,6 +152,25 @@ def test_ship_replaces_only_with_a_better_drafter(work):
     assert install(_folder(work / "e.new", 1.5), work / "e")  # nothing shipped yet: any drafter goes in
 
 
+def test_a_continued_drafter_records_the_drafter_it_started_from():
+    """A warm-started run (train.init_from) continues the shipped drafter, which its own ship then replaces:
+    results.json keeps the earlier drafter's results and a commit that holds its bytes, and only when the bytes
+    the run hashed are the ones at that path."""
+    from pipeline.ship import started_from
+
+    shipped = json.loads((SHIPPED / "results.json").read_text())
+    files = {f: e["sha256"] for f, e in shipped["files"].items()}
+    path = str(SHIPPED.relative_to(REPO))
+    train = {"config_sections": {"train": {"init_from": path}}, "inputs": {"init_from": files}}
+    made = started_from(train)
+    assert made["files_sha256"] == files
+    assert made["results"]["mtbench_acceptance_length"] == shipped["eval"]["mtbench"]["acceptance_length"]
+    assert made["results"]["recipe"] == shipped["recipe"]
+    assert made["committed_in"]  # a fresh clone has the history
+    other = {**files, "model.safetensors": "0" * 64}  # the run started from other bytes than are there now
+    assert started_from({**train, "inputs": {"init_from": other}})["results"] is None
+
+
 def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
     """draft_transfer.prune: a drafter trained with a larger draft vocabulary, cut to a smaller one's tokens."""
     import torch
