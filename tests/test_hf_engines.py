@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gzip
 import json
 import subprocess
 import sys
@@ -506,6 +507,17 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
                     str(earlier), str(answers)], check=True, cwd=REPO)
     s = _seeded_prepare(runs_dir, "allturns-c", data, answers, same_as=earlier)
     assert s["reused_from_interrupted_run"] == summary["regenerated_turns"]
+    # a session's new answers are merged into the seed by id (the seed is one of the inputs); a clash is refused
+    merged = runs_dir / "allturns-merged.jsonl.gz"
+    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
+                    str(answers), str(earlier), str(merged)], check=True, cwd=REPO)
+    assert merged.read_bytes() == answers.read_bytes()
+    other = runs_dir / "allturns-other.jsonl"
+    rec = json.loads(gzip.decompress(answers.read_bytes()).decode().splitlines()[0])
+    other.write_text(json.dumps({"id": rec["id"], "answers": ["another answer"]}) + "\n")
+    clash = subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
+                            str(answers), str(other), str(merged)], cwd=REPO, capture_output=True, text=True)
+    assert clash.returncode != 0 and rec["id"] in clash.stderr, clash.stderr
     # joined by id alone, so a seed whose .json names another file under the same source tag is refused
     (runs_dir / "allturns-answers.json").write_text(json.dumps({"sources": [{"tag": "multi-turn", "sha256": "0" * 64}]}))
     bad = subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--config",

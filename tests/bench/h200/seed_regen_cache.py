@@ -1,7 +1,7 @@
 """Seed a run's `prepare` with the answers of an earlier regeneration, to save device time.
 
     python tests/bench/h200/seed_regen_cache.py --config C [--set k=v ...] CONVERSATIONS.jsonl[.gz]
-    python tests/bench/h200/seed_regen_cache.py --answers-only CONVERSATIONS.jsonl[.gz] OUT.jsonl.gz
+    python tests/bench/h200/seed_regen_cache.py --answers-only CONVERSATIONS.jsonl[.gz] [MORE ...] OUT.jsonl.gz
 
 CONVERSATIONS is an earlier run's `prepare/conversations.jsonl` (same target, greedy; first-turn or all-turn
 regeneration, as data.regenerate says: all turns are seeded round by round, each with the earlier answers in context),
@@ -34,8 +34,8 @@ from pipeline.steps import fingerprint  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--answers-only"] and len(argv) == 3:
-        return answers_only(Path(argv[1]), Path(argv[2]))
+    if argv[:1] == ["--answers-only"] and len(argv) >= 3:
+        return answers_only([Path(a) for a in argv[1:-1]], Path(argv[-1]))
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[])
@@ -121,16 +121,23 @@ def check_sidecar(seed: Path, cfg) -> None:
                  + ". Run without it (S8_SEED=none) or rebuild the sources it names.")
 
 
-def answers_only(src: Path, out: Path) -> int:
-    """CONVERSATIONS -> {"id", "answers"} per conversation (gzip, reproducible bytes)."""
-    with open(src, "rb") as f:  # by content: the device returns it as regen.jsonl.gz.part.aa
-        opener = gzip.open if f.read(2) == b"\x1f\x8b" else open
-    lines = []
-    with opener(src, "rt") as f:
-        for line in f:
-            rec = json.loads(line)
-            answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
-            lines.append(json.dumps({"id": rec["id"], "answers": answers}, ensure_ascii=False))
+def answers_only(sources: list[Path], out: Path) -> int:
+    """CONVERSATIONS (or answers-only files) -> {"id", "answers"} per conversation (gzip, reproducible bytes), in the
+    order first met. Several inputs merge by id, so the seed in data/seeds/ can be one of them (it is read whole before
+    OUT is written): a session's new answers are added to it. The same id with other answers is refused (greedy
+    answers of the same prompts do not differ: something else changed)."""
+    merged: dict[str, list[str]] = {}
+    for src in sources:
+        with open(src, "rb") as f:  # by content: the device returns it as regen.jsonl.gz.part.aa
+            opener = gzip.open if f.read(2) == b"\x1f\x8b" else open
+        with opener(src, "rt") as f:
+            for line in f:
+                rec = json.loads(line)
+                answers = rec["answers"] if "answers" in rec else [m["content"] for m in rec["messages"]
+                                                                    if m["role"] == "assistant"]
+                if merged.setdefault(rec["id"], answers) != answers:
+                    sys.exit(f"[seed] {rec['id']}: {src} has other answers than an earlier input; not merged")
+    lines = [json.dumps({"id": i, "answers": a}, ensure_ascii=False) for i, a in merged.items()]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), compresslevel=9, mtime=0))
     print(f"[seed] {len(lines)} conversations' answers -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
