@@ -169,6 +169,12 @@ def test_a_continued_drafter_records_the_drafter_it_started_from():
     assert made["committed_in"]  # a fresh clone has the history
     other = {**files, "model.safetensors": "0" * 64}  # the run started from other bytes than are there now
     assert started_from({**train, "inputs": {"init_from": other}})["results"] is None
+    # the report quotes the shipped drafter, and says what it continued when it did
+    from pipeline.report import shipped_lines
+
+    line = shipped_lines(load_config(REPO / "configs" / "smollm2-shipped.toml"))[0]
+    init = shipped["recipe"]["train"].get("init_from")
+    assert ("continuing a drafter of" in line) == bool(init and init.get("results")), line
 
 
 def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
