@@ -43,16 +43,16 @@ def sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def hash_tree(root: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> str:
-    """Content hash of every file under root (relative path + bytes), in sorted order. A symlink counts by where it
-    points, not by the bytes there: train's data folder links every hidden-state file of the extraction, whose
-    contents extract's own outputs_hash covers (session 27: following them re-read 73 GB after training, 80 s of
-    the H200's time; at Kimi's scale, hours)."""
+def hash_tree(root: Path, exclude: tuple[str, ...] = (MANIFEST,), follow_links: bool = True) -> str:
+    """Content hash of every file under root (relative path + bytes), in sorted order. With follow_links=False a
+    symlink counts by where it points, not by the bytes there: train's data folder links every hidden-state file of
+    the extraction, whose contents extract's own outputs_hash covers (session 27: following them re-read 73 GB after
+    training, 80 s of the H200's time). A target folder of links to weights kept elsewhere is hashed by its bytes."""
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
         if p.name in exclude or p.name.endswith(".tmp"):
             continue
-        if p.is_symlink():
+        if p.is_symlink() and not follow_links:
             h.update(str(p.relative_to(root)).encode() + b"\0link\0" + os.readlink(p).encode())
         elif p.is_file():
             h.update(str(p.relative_to(root)).encode() + b"\0" + sha256_file(p).encode())

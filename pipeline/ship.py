@@ -67,9 +67,13 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     if epoch + 1 >= (scheduled or 0):
         raise StepError(f"{path}: epoch {epoch} is the schedule's last ({scheduled} epochs): a finished run has a "
                         f"train manifest; --epoch is for one that stopped early")
-    from .train import train_throughput, val_summary  # train's own summary of the same rows
+    from .train import init_files, train_throughput, val_summary  # train's own summary of the same rows
 
-    return {"config_sections": {"train": dataclasses.asdict(cfg.train)},
+    # the drafter it started from, as train's fingerprint hashed it (the lineage started_from records); as the
+    # shipping config names it, so --set train.init_from must name the run's own (checked against train's .fingerprint
+    # nowhere: the run left no manifest)
+    inputs = {"init_from": {f.name: sha256_file(f) for f in init_files(cfg)}} if cfg.train.init_from else {}
+    return {"config_sections": {"train": dataclasses.asdict(cfg.train)}, "inputs": inputs,
             "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled, "finished": False,
                         "eagle_aux_hidden_state_layer_ids": args.get("draft", {}).get("target_layer_ids"),
                         "final_val": val_summary(vals[epoch]), "train_tokens_per_s": train_throughput(rows)}}
@@ -136,15 +140,31 @@ def started_from(train: dict) -> dict:
         return {**made, "results": None}
     if not files or {f: e.get("sha256") for f, e in earlier.get("files", {}).items() if f in files} != files:
         return {**made, "results": None}  # that folder holds other bytes now than the run started from
-    try:  # the last commit that holds these bytes: `git checkout <it> -- <path>` brings the starting drafter back
-        last = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(Path(path) / "model.safetensors")],
-                              cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip() or None
-    except OSError:
-        last = None
-    return {**made, "committed_in": last, "results": {
+    folder = Path(path).resolve().relative_to(REPO_ROOT) if Path(path).resolve().is_relative_to(REPO_ROOT) else None
+    return {**made, "committed_in": commit_holding(folder, list(files)) if folder else None, "results": {
         "sha256": sha256_file(results), "shipped": earlier.get("shipped"), "shipped_from": earlier.get("shipped_from"),
         "mtbench_acceptance_length": (earlier.get("eval") or {}).get("mtbench", {}).get("acceptance_length"),
         "epochs": earlier.get("epochs"), "recipe": earlier.get("recipe")}}
+
+
+def commit_holding(folder: Path, names: list[str]) -> str | None:
+    """The last commit that touched `folder`, if it holds exactly the bytes of `names` there now (so `git checkout
+    <it> -- <folder>` brings them back); None otherwise (uncommitted bytes, no git, not a checkout)."""
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+        except OSError:
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("log", "-1", "--format=%H", "--", str(folder))
+    if not commit:
+        return None
+    for name in names:
+        rel = (folder / name).as_posix()
+        if git("rev-parse", f"{commit}:{rel}") != git("hash-object", rel) or git("hash-object", rel) is None:
+            return None
+    return commit
 
 
 # What decides which conversations prepare holds out (ids are hashed with the seed; a mix prefixes its ids)

@@ -23,7 +23,7 @@ from .config import REPO_ROOT, Config
 from .extract import SPLITS, resolve_layer_ids
 from .hidden_states import META, file_name, header, truncation
 from .loops import mask_terminal_loops
-from .manifest import StepError, require_manifest, require_patched_speculators
+from .manifest import StepError, hash_tree, require_manifest, require_patched_speculators
 
 
 def speculators_args(cfg: Config, out: Path, aux_ids: list[int], vocab_dir: Path) -> list[str]:
@@ -190,7 +190,8 @@ def run(cfg: Config, out: Path) -> dict:
         "train_tokens_per_s": train_throughput(rows),
         **({"init_from": {"path": cfg.train.init_from, **init}} if init else {}),
     }
-    return {"summary": summary}
+    # the data folder's links to the hidden states count by where they point: extract's hash has their bytes
+    return {"summary": summary, "outputs_hash": hash_tree(out, follow_links=False)}
 
 
 def init_files(cfg: Config) -> list[Path]:

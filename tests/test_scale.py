@@ -414,10 +414,11 @@ def test_torchrun_two_process_gloo_training(data_run, runs_dir):
     assert m["summary"]["epochs"] == 1
 
 
-def test_a_step_hashes_a_link_by_where_it_points_not_by_the_bytes_there(tmp_path):
+def test_train_hashes_a_link_by_where_it_points_not_by_the_bytes_there(tmp_path):
     """train's data folder links every hidden-state file of the extraction (extract's outputs_hash covers their
     bytes): train's outputs_hash must not read them again (session 27: 73 GB re-read on the H200 after training,
-    80 s). A link counts by its target path, a file by its bytes."""
+    80 s). With follow_links=False (train's) a link counts by its target path, a file by its bytes; by default
+    (a target folder of links to weights elsewhere) the bytes behind a link count."""
     from pipeline.manifest import hash_tree
 
     store, step = tmp_path / "store", tmp_path / "step"
@@ -426,16 +427,17 @@ def test_a_step_hashes_a_link_by_where_it_points_not_by_the_bytes_there(tmp_path
     (store / "a.safetensors").write_bytes(b"hidden states")
     (step / "own.txt").write_text("a checkpoint")
     (step / "a.safetensors").symlink_to(store / "a.safetensors")
-    h0 = hash_tree(step)
+    h0, d0 = hash_tree(step, follow_links=False), hash_tree(step)
     (store / "a.safetensors").write_bytes(b"other bytes")  # the extraction's business, not this step's
-    assert hash_tree(step) == h0
+    assert hash_tree(step, follow_links=False) == h0
+    assert hash_tree(step) != d0  # followed: the bytes behind the link count
     (store / "a.safetensors").unlink()  # a dangling link is still where it points
-    assert hash_tree(step) == h0
+    assert hash_tree(step, follow_links=False) == h0
     (step / "a.safetensors").unlink()
     (step / "a.safetensors").symlink_to(store / "b.safetensors")
-    assert hash_tree(step) != h0  # pointed elsewhere
+    assert hash_tree(step, follow_links=False) != h0  # pointed elsewhere
     (step / "a.safetensors").unlink()
     (step / "a.safetensors").symlink_to(store / "a.safetensors")
-    assert hash_tree(step) == h0
+    assert hash_tree(step, follow_links=False) == h0
     (step / "own.txt").write_text("another checkpoint")
-    assert hash_tree(step) != h0  # the step's own files count by their bytes
+    assert hash_tree(step, follow_links=False) != h0  # the step's own files count by their bytes

@@ -3,9 +3,11 @@ through `make eval CONFIG=configs/smollm2-shipped.toml`'s code path with exact g
 floor, and `pipeline.ship` replaces it only with a better one."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import struct
+import subprocess
 
 import pytest
 
@@ -166,7 +168,10 @@ def test_a_continued_drafter_records_the_drafter_it_started_from():
     assert made["files_sha256"] == files
     assert made["results"]["mtbench_acceptance_length"] == shipped["eval"]["mtbench"]["acceptance_length"]
     assert made["results"]["recipe"] == shipped["recipe"]
-    assert made["committed_in"]  # a fresh clone has the history
+    # a commit that holds these very bytes: `git checkout <it> -- <path>` brings the starting drafter back
+    held = subprocess.run(["git", "show", f"{made['committed_in']}:{path}/model.safetensors"], cwd=REPO,
+                          capture_output=True, check=True).stdout
+    assert hashlib.sha256(held).hexdigest() == files["model.safetensors"]
     other = {**files, "model.safetensors": "0" * 64}  # the run started from other bytes than are there now
     assert started_from({**train, "inputs": {"init_from": other}})["results"] is None
     # the report quotes the shipped drafter, and says what it continued when it did

@@ -68,6 +68,13 @@ def test_trained_checkpoint_carries_extraction_ids_and_vocab(trained_run):
     assert train_rows[-1]["train"]["loss_0"] < train_rows[0]["train"]["loss_0"]
     assert len([r for r in rows if "val" in r]) == trained_run.train.epochs
     assert (trained_run.step_dir("train") / "curves.png").stat().st_size > 10_000
+    # train's outputs hash counts its links to the extraction's files by where they point (not 73 GB read again)
+    from pipeline.manifest import hash_tree
+
+    links = list((trained_run.step_dir("train") / "data" / "hidden_states").iterdir())
+    assert links and all(p.is_symlink() for p in links)
+    assert read_manifest(trained_run.step_dir("train"))["outputs_hash"] == hash_tree(trained_run.step_dir("train"),
+                                                                                     follow_links=False)
 
 
 def test_vllm_uses_the_checkpoint_layer_ids_not_its_defaults(trained_run):

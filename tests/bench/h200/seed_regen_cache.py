@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     tok = load_tokenizer(cfg)
     out = cfg.step_dir("prepare")
     out.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open if args.conversations.suffix == ".gz" else open
+    opener = gzip.open if is_gzip(args.conversations) else open
     rounds, prompts, answers = [], [], []
     by_id, unmatched = None, 0
     with opener(args.conversations, "rt") as f:
@@ -121,16 +121,21 @@ def check_sidecar(seed: Path, cfg) -> None:
                  + ". Run without it (S8_SEED=none) or rebuild the sources it names.")
 
 
+def is_gzip(path: Path) -> bool:
+    """By the bytes, not the name: the device returns files split as <name>.part.aa, .part.ab (join the pieces
+    first: `cat <name>.part.* > <name>`)."""
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def answers_only(sources: list[Path], out: Path) -> int:
     """CONVERSATIONS (or answers-only files) -> {"id", "answers"} per conversation (gzip, reproducible bytes), in the
     order first met. Several inputs merge by id, so the seed in data/seeds/ can be one of them (it is read whole before
-    OUT is written): a session's new answers are added to it. The same id with other answers is refused (greedy
+    OUT is written): a session's new answers are added to it (name the seed first, so its order stays). The same id with other answers is refused (greedy
     answers of the same prompts do not differ: something else changed)."""
     merged: dict[str, list[str]] = {}
     for src in sources:
-        with open(src, "rb") as f:  # by content: the device returns it as regen.jsonl.gz.part.aa
-            opener = gzip.open if f.read(2) == b"\x1f\x8b" else open
-        with opener(src, "rt") as f:
+        with (gzip.open if is_gzip(src) else open)(src, "rt") as f:
             for line in f:
                 rec = json.loads(line)
                 answers = rec["answers"] if "answers" in rec else [m["content"] for m in rec["messages"]
