@@ -171,6 +171,53 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, tool
     return Tokenized(ids[:max_length], mask[:max_length])
 
 
+# Below this many conversations prepare tokenizes in its own process (a worker's start, importing transformers,
+# costs seconds); at or above it, on up to 16 worker processes: ~2 ms a conversation on one core was ~80 s of
+# the 39k-conversation mix's prepare (tests/bench/prepare_phases.py; session 27)
+PARALLEL_FROM = 4000
+_WORKER: dict = {}
+
+
+def tokenize_conversations(tokenizer, items: list[tuple[list[dict], list | None]], max_length: int,
+                           reasoning: str = "keep", workers: int | None = None) -> list:
+    """tokenize_conversation over (messages, tools) pairs, in order: a Tokenized each, or the TemplateError that
+    rejected it (returned, not raised). On `workers` spawned processes (default: one per CPU up to 16, from
+    PARALLEL_FROM conversations on), each with its own copy of the tokenizer: the same results as one by one.
+    Spawned workers import the caller's main module: a script that calls this (or prepare) must keep its work under
+    `if __name__ == "__main__":`, as `python -m pipeline` does."""
+    import os
+
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 16) if len(items) >= PARALLEL_FROM else 1
+    if workers <= 1 or len(items) < 2:
+        return [_tokenize_or_error(tokenizer, m, t, max_length, reasoning) for m, t in items]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    size = -(-len(items) // (workers * 4))  # a few chunks a worker, so a slow chunk does not hold the rest
+    chunks = [items[i:i + size] for i in range(0, len(items), size)]
+    # spawn, not fork: prepare may have run the target on the GPU (and torch's threads) in this process
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                             initargs=(tokenizer, max_length, reasoning)) as pool:
+        return [r for part in pool.map(_worker_chunk, chunks) for r in part]
+
+
+def _tokenize_or_error(tokenizer, messages, tools, max_length, reasoning):
+    try:
+        return tokenize_conversation(tokenizer, messages, max_length, tools=tools, reasoning=reasoning)
+    except TemplateError as e:
+        return e
+
+
+def _worker_init(tokenizer, max_length: int, reasoning: str) -> None:
+    _WORKER.update(tokenizer=tokenizer, max_length=max_length, reasoning=reasoning)
+
+
+def _worker_chunk(items: list) -> list:
+    w = _WORKER
+    return [_tokenize_or_error(w["tokenizer"], m, t, w["max_length"], w["reasoning"]) for m, t in items]
+
+
 def _tokenize_by_segments(tokenizer, full: str, spans: list[tuple[int, int]]):
     """For tokenizers without offsets (e.g. tiktoken-based): tokenize the text between span borders."""
     ids, mask, pos = [], [], 0

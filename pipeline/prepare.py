@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, prompt_ids_batch, tokenize_conversation
+from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, prompt_ids_batch, tokenize_conversations
 from .config import PACKAGED_SOURCES, Config, repo_relative
 from .datasets import LoadReport, load_conversations, load_mtbench, near_duplicates
 from .engines.vllm_offline import Generation
@@ -216,13 +216,12 @@ def run(cfg: Config, out: Path) -> dict:
     rows = {"train": [], "eval": []}
     samples_of = {}  # (source tag, split) -> samples, for a mix's per-source summary
     rejected: dict[str, int] = {}
+    tokenized = tokenize_conversations(tok, [(c["messages"], c.get("tools")) for c in selected], cfg.data.seq_length,
+                                       reasoning=reasoning)
     with open(out / "conversations.jsonl", "w") as f:
-        for c in selected:
-            try:
-                t = tokenize_conversation(tok, c["messages"], cfg.data.seq_length, tools=c.get("tools"),
-                                          reasoning=reasoning)
-            except TemplateError as e:
-                rejected[str(e)] = rejected.get(str(e), 0) + 1
+        for c, t in zip(selected, tokenized):
+            if isinstance(t, TemplateError):
+                rejected[str(t)] = rejected.get(str(t), 0) + 1
                 continue
             if t.assistant_tokens < cfg.data.min_assistant_tokens:
                 rejected["too few assistant tokens"] = rejected.get("too few assistant tokens", 0) + 1

@@ -203,3 +203,24 @@ def test_regenerated_answers_keep_their_reasoning():
     assert not prompt_opens_reasoning(tok)
     plain = tok.encode(" Just text ", add_special_tokens=False)
     assert answer_text(tok, Generation(" Just text ", plain, "stop"), False) == "Just text"
+
+
+def test_conversations_tokenize_alike_on_worker_processes():
+    """prepare tokenizes a large mix on worker processes (chat.tokenize_conversations): the same Tokenized, in the
+    same order, and the same rejections, as one by one; with tools and reasoning, and a template that rejects."""
+    tok = fast_kimi_tokenizer()
+    tok.chat_template = TEMPLATE.read_text().replace(
+        "{{ message.get('reasoning_content') or '' }}",
+        "{% if loop.index0 > (messages | map(attribute='role') | list | join(',')).split(',') | length - 3 %}"
+        "{{ message.get('reasoning_content') or '' }}{% endif %}")
+    rejects = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B", "reasoning_content": "r1"},
+               {"role": "user", "content": "C"}, {"role": "assistant", "content": "D", "reasoning_content": "r2"}]
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    items = [(CONV[1:], TOOLS), (rejects, None), (plain, None)] * 3 + [([dict(m, content=m["content"] + str(i))
+                                                                         for m in plain], None) for i in range(5)]
+    one = chat.tokenize_conversations(tok, items, 4096, workers=1)
+    many = chat.tokenize_conversations(tok, items, 4096, workers=2)
+    assert [isinstance(x, TemplateError) for x in one[:3]] == [True, True, False]  # reasoning in a dropped turn
+    assert [(type(x), str(x)) if isinstance(x, TemplateError) else x for x in many] == \
+           [(type(x), str(x)) if isinstance(x, TemplateError) else x for x in one]
+    assert one[-1].input_ids != one[-2].input_ids  # each conversation's own result, in order
