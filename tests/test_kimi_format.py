@@ -147,16 +147,24 @@ def test_segments_refuse_a_border_inside_a_merged_token():
         type(tok)._tokenize = orig
 
 
-def test_history_dropping_template_is_rejected_in_keep_mode():
-    """K2-Thinking-style templates render reasoning only after the last user message: earlier turns
-    change when the conversation grows, so keep/final_only cannot mask them; drop still works."""
+HISTORY = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B", "reasoning_content": "r1"},
+           {"role": "user", "content": "C"}, {"role": "assistant", "content": "D", "reasoning_content": "r2"}]
+
+
+def history_dropping_tokenizer():
+    """A K2-Thinking-style template: reasoning rendered only after the last user message."""
     tok = fast_kimi_tokenizer()
     tok.chat_template = TEMPLATE.read_text().replace(
         "{{ message.get('reasoning_content') or '' }}",
         "{% if loop.index0 > (messages | map(attribute='role') | list | join(',')).split(',') | length - 3 %}"
         "{{ message.get('reasoning_content') or '' }}{% endif %}")
-    msgs = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B", "reasoning_content": "r1"},
-            {"role": "user", "content": "C"}, {"role": "assistant", "content": "D", "reasoning_content": "r2"}]
+    return tok
+
+
+def test_history_dropping_template_is_rejected_in_keep_mode():
+    """K2-Thinking-style templates render reasoning only after the last user message: earlier turns
+    change when the conversation grows, so keep/final_only cannot mask them; drop still works."""
+    tok, msgs = history_dropping_tokenizer(), HISTORY
     assert "<think></think>B" in tok.apply_chat_template(msgs, tokenize=False)
     for mode in ("keep", "final_only"):
         with pytest.raises(TemplateError, match="prefix"):
@@ -208,13 +216,7 @@ def test_regenerated_answers_keep_their_reasoning():
 def test_conversations_tokenize_alike_on_worker_processes():
     """prepare tokenizes a large mix on worker processes (chat.tokenize_conversations): the same Tokenized, in the
     same order, and the same rejections, as one by one; with tools and reasoning, and a template that rejects."""
-    tok = fast_kimi_tokenizer()
-    tok.chat_template = TEMPLATE.read_text().replace(
-        "{{ message.get('reasoning_content') or '' }}",
-        "{% if loop.index0 > (messages | map(attribute='role') | list | join(',')).split(',') | length - 3 %}"
-        "{{ message.get('reasoning_content') or '' }}{% endif %}")
-    rejects = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B", "reasoning_content": "r1"},
-               {"role": "user", "content": "C"}, {"role": "assistant", "content": "D", "reasoning_content": "r2"}]
+    tok, rejects = history_dropping_tokenizer(), HISTORY
     plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     items = [(CONV[1:], TOOLS), (rejects, None), (plain, None)] * 3 + [([dict(m, content=m["content"] + str(i))
                                                                          for m in plain], None) for i in range(5)]
