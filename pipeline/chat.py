@@ -172,8 +172,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, tool
 
 
 # Below this many conversations prepare tokenizes in its own process (a worker's start, importing transformers,
-# costs seconds); at or above it, on up to 16 worker processes: ~2 ms a conversation on one core was ~80 s of
-# the 39k-conversation mix's prepare (tests/bench/prepare_phases.py; session 27)
+# costs seconds); at or above it, on up to 16 worker processes: 1.4 ms a conversation on one core was 55 s of
+# the 39k-conversation mix's prepare on 2 cores, 28 s on 2 processes (tests/bench/prepare_phases.py; session 27)
 PARALLEL_FROM = 4000
 _WORKER: dict = {}
 

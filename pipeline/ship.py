@@ -140,7 +140,8 @@ def started_from(train: dict) -> dict:
         return {**made, "results": None}
     if not files or {f: e.get("sha256") for f, e in earlier.get("files", {}).items() if f in files} != files:
         return {**made, "results": None}  # that folder holds other bytes now than the run started from
-    folder = Path(path).resolve().relative_to(REPO_ROOT) if Path(path).resolve().is_relative_to(REPO_ROOT) else None
+    where = (REPO_ROOT / path).resolve()  # a relative path is the repository's, as train reads it (cfg.path)
+    folder = where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else None
     return {**made, "committed_in": commit_holding(folder, list(files)) if folder else None, "results": {
         "sha256": sha256_file(results), "shipped": earlier.get("shipped"), "shipped_from": earlier.get("shipped_from"),
         "mtbench_acceptance_length": (earlier.get("eval") or {}).get("mtbench", {}).get("acceptance_length"),
