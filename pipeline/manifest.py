@@ -197,31 +197,35 @@ def require_patched_speculators(site: Path | None = None, record: Path = IMAGE_P
                     f"{fix}, or set EAGLE3_ALLOW_PARTIAL_PATCHES=1 to run without it")
 
 
+def git(*args: str, root: Path = REPO_ROOT, env: dict | None = None) -> str | None:
+    """`git ARGS` in root: its stripped output, or None when it fails or there is no git on this machine (e.g. a
+    bare GPU box: provenance then says unknown)."""
+    try:
+        r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, env=env)
+    except OSError:
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
 def git_commit(root: Path = REPO_ROOT) -> dict:
     """The checkout's commit and whether tracked files differ from it; when they do, `tree`: the git tree id of what
     is on disk (tracked files and untracked ones git does not ignore), so the exact code can still be named. A copy
     of the tree beside an older .git (the lent GPU's copy of a checkout, session 25) reads as that older commit,
     dirty; `git rev-parse <commit>^{tree}` of the commit that ran equals `tree`."""
-    def git(*args, env=None):
-        try:
-            r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, env=env)
-        except OSError:  # no git on this machine (e.g. a bare GPU box): provenance says unknown
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
+    commit = git("rev-parse", "HEAD", root=root)
     if commit is None:  # in an image there is no checkout: the commit the image was built from
         built = (image_facts() or {}).get("git_commit") or "unknown"
         if built != "unknown":
             return {"commit": built.removesuffix("-dirty"), "dirty": built.endswith("-dirty"), "source": "image"}
-    out = {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    out = {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no", root=root))}
     if out["dirty"]:
         import tempfile
 
         with tempfile.TemporaryDirectory() as d:  # a throwaway index: the checkout's own index is not touched
             env = {**os.environ, "GIT_INDEX_FILE": str(Path(d) / "index")}
-            if git("read-tree", "HEAD", env=env) is not None and git("add", "-A", ".", env=env) is not None:
-                out["tree"] = git("write-tree", env=env)
+            if git("read-tree", "HEAD", root=root, env=env) is not None and \
+                    git("add", "-A", ".", root=root, env=env) is not None:
+                out["tree"] = git("write-tree", root=root, env=env)
     return out
 
 

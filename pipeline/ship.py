@@ -25,13 +25,12 @@ import dataclasses
 import json
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from .config import REPO_ROOT, Config, load_config
-from .manifest import StepError, _rel, git_commit, read_manifest, sha256_file, write_json_atomic
+from .manifest import StepError, _rel, git, git_commit, read_manifest, sha256_file, write_json_atomic
 
 RESULTS = "results.json"
 SET_KEYS = ("acceptance_length", "acceptance_rate", "per_position_acceptance", "outputs_identical_to_baseline",
@@ -67,12 +66,12 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     if epoch + 1 >= (scheduled or 0):
         raise StepError(f"{path}: epoch {epoch} is the schedule's last ({scheduled} epochs): a finished run has a "
                         f"train manifest; --epoch is for one that stopped early")
-    from .train import init_files, train_throughput, val_summary  # train's own summary of the same rows
+    from .train import init_hashes, train_throughput, val_summary  # train's own summary of the same rows
 
     # the drafter it started from, as train's fingerprint hashed it (the lineage started_from records); as the
     # shipping config names it, so --set train.init_from must name the run's own (checked against train's .fingerprint
     # nowhere: the run left no manifest)
-    inputs = {"init_from": {f.name: sha256_file(f) for f in init_files(cfg)}} if cfg.train.init_from else {}
+    inputs = {"init_from": init_hashes(cfg)} if cfg.train.init_from else {}
     return {"config_sections": {"train": dataclasses.asdict(cfg.train)}, "inputs": inputs,
             "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled, "finished": False,
                         "eagle_aux_hidden_state_layer_ids": args.get("draft", {}).get("target_layer_ids"),
@@ -133,14 +132,14 @@ def started_from(train: dict) -> dict:
     path = train["config_sections"]["train"]["init_from"]
     files = (train.get("inputs") or {}).get("init_from") or {}
     made = {"path": path, "files_sha256": files, **(train.get("summary", {}).get("init_from") or {})}
-    results = (REPO_ROOT / path) / RESULTS
+    where = (REPO_ROOT / path).resolve()  # a relative path is the repository's, as train reads it (cfg.path)
+    results = where / RESULTS
     try:
         earlier = json.loads(results.read_text())
     except (OSError, ValueError):
         return {**made, "results": None}
     if not files or {f: e.get("sha256") for f, e in earlier.get("files", {}).items() if f in files} != files:
         return {**made, "results": None}  # that folder holds other bytes now than the run started from
-    where = (REPO_ROOT / path).resolve()  # a relative path is the repository's, as train reads it (cfg.path)
     folder = where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else None
     return {**made, "committed_in": commit_holding(folder, list(files)) if folder else None, "results": {
         "sha256": sha256_file(results), "shipped": earlier.get("shipped"), "shipped_from": earlier.get("shipped_from"),
@@ -151,19 +150,13 @@ def started_from(train: dict) -> dict:
 def commit_holding(folder: Path, names: list[str]) -> str | None:
     """The last commit that touched `folder`, if it holds exactly the bytes of `names` there now (so `git checkout
     <it> -- <folder>` brings them back); None otherwise (uncommitted bytes, no git, not a checkout)."""
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
-        except OSError:
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
     commit = git("log", "-1", "--format=%H", "--", str(folder))
     if not commit:
         return None
     for name in names:
         rel = (folder / name).as_posix()
-        if git("rev-parse", f"{commit}:{rel}") != git("hash-object", rel) or git("hash-object", rel) is None:
+        blob = git("hash-object", rel)
+        if blob is None or git("rev-parse", f"{commit}:{rel}") != blob:
             return None
     return commit
 

@@ -34,9 +34,9 @@ def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
     (train.init_from)."""
     upstream, extra = _upstream_of(cfg, step)
     if step == "train" and cfg.train.init_from:
-        from .train import init_files
+        from .train import init_hashes
 
-        extra = {**extra, "init_from": {f.name: sha256_file(f) for f in init_files(cfg)}}
+        extra = {**extra, "init_from": init_hashes(cfg)}
     return upstream, extra
 
 

@@ -194,6 +194,14 @@ def run(cfg: Config, out: Path) -> dict:
     return {"summary": summary, "outputs_hash": hash_tree(out, follow_links=False)}
 
 
+def init_hashes(cfg: Config) -> dict[str, str]:
+    """sha256 of each file of the drafter train.init_from names: in train's fingerprint, and the lineage a shipped
+    continuation records (pipeline.ship)."""
+    from .manifest import sha256_file
+
+    return {f.name: sha256_file(f) for f in init_files(cfg)}
+
+
 def init_files(cfg: Config) -> list[Path]:
     """The weight and config files of the drafter train.init_from names (what train's fingerprint hashes)."""
     src = cfg.path(cfg.train.init_from)

@@ -131,8 +131,8 @@ def is_gzip(path: Path) -> bool:
 def answers_only(sources: list[Path], out: Path) -> int:
     """CONVERSATIONS (or answers-only files) -> {"id", "answers"} per conversation (gzip, reproducible bytes), in the
     order first met. Several inputs merge by id, so the seed in data/seeds/ can be one of them (it is read whole before
-    OUT is written): a session's new answers are added to it (name the seed first, so its order stays). The same id with other answers is refused (greedy
-    answers of the same prompts do not differ: something else changed)."""
+    OUT is written): a session's new answers are added to it (name the seed first, so its order stays). The same id
+    with other answers is refused (greedy answers of the same prompts do not differ: something else changed)."""
     merged: dict[str, list[str]] = {}
     for src in sources:
         with (gzip.open if is_gzip(src) else open)(src, "rt") as f:
