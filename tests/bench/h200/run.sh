@@ -74,6 +74,8 @@ PHASE=$1
 BUDGET=${BUDGET:-560}          # seconds this phase may use (the device command limit is 600)
 CONFIG=${CONFIG:-configs/smollm2-quality-h200.toml}   # another config only for a dry run of a phase on CPU
 OUT=${OUT:-.cache/h200-out}    # the device tool's outbound folder (emptied before every call)
+# s8-wait without DRAFTS takes the launch's (session 28's later waits left it out and looked for a draft not trained)
+[ -n "${DRAFTS+x}" ] || [ ! -f .cache/h200-send/drafts ] || DRAFTS=$(cat .cache/h200-send/drafts)
 DRAFTS=${DRAFTS-s8-allturns-v6144:vocab.draft_vocab_size=6144}   # s8: the drafts trained beside the recipe's
 draft_names() { local d; for d in $DRAFTS; do echo -n "${d%%:*} "; done; }
 check_drafts() {  # refused before anything runs: more than one draft beside the recipe's, or a key it cannot change
@@ -345,6 +347,7 @@ PY
         > "$LOGS/stream-check.out" 2>&1 < /dev/null &
       echo $! > $SC_OUT/pid; echo "[s8] stream-check detached (pid $!), verdict in $SC_OUT/stream-check/verdict.txt"
     fi
+    printf '%s' "$DRAFTS" > .cache/h200-send/drafts; rm -f .cache/h200-send/wait-env   # what the waits default to
     DEADLINE=$DEADLINE S8_SET=${S8_SET:-} S8_EXTRA=${S8_EXTRA:-} SPEED=${SPEED:-1} EPOCHS=${EPOCHS:-8} RATE=${RATE:-70000} \
       DRAFTS=$DRAFTS setsid nohup bash tests/bench/h200/run.sh s8-chain > "$LOGS/s8-chain.log" 2>&1 < /dev/null &
     sleep 15; tail -n 5 "$LOGS/s8-chain.log" ;;
@@ -475,6 +478,12 @@ PY
     # near; logs, manifests, speed always.
     launched_here "$LOGS/s8-chain.log" || exit 3
     mkdir -p .cache/h200-send
+    # ALSO_EPOCH and S8_REGEN_LATER as the first wait gave them, for the later waits that leave them out (session 28's
+    # did, and the epoch-1 checkpoint never came back)
+    W=.cache/h200-send/wait-env
+    if [ -f $W ]; then while IFS='=' read -r k v; do [ -n "${!k+x}" ] || export "$k=$v"; done < $W
+    else for k in ALSO_EPOCH S8_REGEN_LATER; do [ -z "${!k+x}" ] || echo "$k=${!k}"; done > $W; fi
+    echo "[s8] wait: DRAFTS='$DRAFTS' ALSO_EPOCH=${ALSO_EPOCH:-} S8_REGEN_LATER=${S8_REGEN_LATER:-}"
     DEADLINE=${DEADLINE:-$(cat .cache/h200-send/deadline 2>/dev/null)}
     sent() { [ -f .cache/h200-send/.sent-$1 ]; }
     RUNS="s8-allturns $(draft_names)"
