@@ -9,8 +9,8 @@
 #   .gpu/pypi-prompts.jsonl.gz          the PyPI prompt sets (python -m pipeline.prompt_sets build)
 #   .whl/                        what speculators 0.9.0 needs beyond the lent machine's Python 3.12 (research/gpu.md),
 #                                plus gguf (the model step reads the GGUF checkpoint)
-# Then the calls of NOTES.md "Next device session" (five since session 28: one model piece each). In an older
-# checkout with four pieces, `rm .gpu/smollm2.part.*` first.
+# Then the calls of NOTES.md "Next device session" (five since session 28: one model piece each; an older
+# checkout's four pieces are cut again).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
