@@ -1,0 +1,86 @@
+"""Acceptance length per MT-bench category, for one or more drafters (where is a drafter weakest?).
+
+    .venv/bin/python tests/bench/mtbench_by_category.py [--config C] [--max-tokens 128] NAME=DRAFTER [NAME=DRAFTER ...]
+
+vLLM's spec-decode counters are one sum over a run, so the served evaluator cannot split its AL by prompt. This
+decodes the same 80 MT-bench first turns with the transformers evaluator (`pipeline.engines.hf_spec_eval.decode`:
+greedy chain speculative decoding, K from the config, the engine `pipeline.evaluate --set eval.engine=hf` runs,
+whose counters agree with vLLM's under test) and sums its counters per category. Each drafter's overall AL is
+printed beside its categories, to compare with the vLLM figure (float32 on CPU, as the evaluator).
+Prints a table (drafters x categories) and writes it as JSON with --out.
+"""
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from pipeline.env import setup_env  # noqa: E402
+
+setup_env()
+import torch  # noqa: E402
+
+from pipeline.chat import prompt_ids  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.datasets import load_mtbench  # noqa: E402
+from pipeline.engines.hf_engine import load_target, stop_token_ids  # noqa: E402
+from pipeline.engines.hf_spec_eval import Eagle3Draft, decode  # noqa: E402
+
+
+def al(stats: dict) -> float:
+    return 1 + stats["accepted_tokens"] / stats["drafts"] if stats["drafts"] else 1.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/smollm2-shipped.toml")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: the config's eval.max_tokens")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("drafters", nargs="+", help="NAME=PATH of a drafter folder (config.json + model.safetensors)")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)  # as the evaluator on CPU: one sequence's small ops, 1 thread is fastest
+    cfg = load_config(args.config)
+    k, max_tokens = cfg.eval.num_speculative_tokens, args.max_tokens or cfg.eval.max_tokens
+    dev = torch.device("cpu")
+    target = load_target(cfg.model_path, cfg.eval.dtype, cfg.model.trust_remote_code, dev)
+    tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
+    stop = stop_token_ids(cfg.model_path, tok, target)
+    questions = load_mtbench(cfg.run.stack)[: cfg.eval.max_prompts]
+    prompts = [(q["category"], prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}])) for q in questions]
+    table = {}
+    for spec in args.drafters:
+        name, _, path = spec.partition("=")
+        draft = Eagle3Draft(path, target, getattr(torch, cfg.eval.dtype), dev)
+        per = defaultdict(lambda: {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": [0] * k})
+        t0 = time.time()
+        for cat, ids in prompts:
+            s = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": [0] * k}
+            decode(target, ids, max_tokens=max_tokens, max_model_len=cfg.model.max_model_len, stop=stop,
+                   draft=draft, k=k, stats=s)
+            for key in (cat, "all"):
+                for f in ("drafts", "draft_tokens", "accepted_tokens"):
+                    per[key][f] += s[f]
+                per[key]["accepted_per_pos"] = [a + b for a, b in zip(per[key]["accepted_per_pos"], s["accepted_per_pos"])]
+        table[name] = {"path": path, "seconds": round(time.time() - t0, 1),
+                       "al": {c: round(al(v), 3) for c, v in per.items()}, "counters": dict(per)}
+        print(f"[by-category] {name}: AL {table[name]['al']['all']:.3f} over {len(prompts)} prompts "
+              f"({table[name]['seconds']} s)", flush=True)
+    cats = list(dict.fromkeys(c for c, _ in prompts)) + ["all"]
+    print("| drafter | " + " | ".join(cats) + " |")
+    print("|---" * (len(cats) + 1) + "|")
+    for name, r in table.items():
+        print(f"| {name} | " + " | ".join(f"{r['al'][c]:.3f}" for c in cats) + " |")
+    if args.out:
+        args.out.write_text(json.dumps({"config": args.config, "max_tokens": max_tokens, "k": k,
+                                        "prompts": len(prompts), "drafters": table}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
