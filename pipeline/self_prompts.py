@@ -39,7 +39,8 @@ MIN_CHARS = 12
 # default context). The eight kinds are MT-bench's own categories (its "STEM" named science here): the reference
 # workload is general chat, and these are the kinds of task it is scored on. That steers topics, not items (no
 # MT-bench question is shown to the target, and the near-duplicate check runs on every request); judge a draft
-# trained on them on the held-out ShareGPT prompts as well (`eval.heldout_source`). The shares are a choice, not tuned.
+# trained on them on the held-out ShareGPT prompts as well (`eval.heldout_source`). The shares are a choice, not tuned;
+# `--shares` changes some (session 28: MT-bench's writing prompts have the lowest acceptance, NOTES "Session 28").
 CATEGORIES = [
     ("default", 0.40, None),
     ("writing", 0.075, "You are a writing assistant. Users ask you to write stories, poems, emails, blog posts, "
@@ -74,9 +75,36 @@ def request_prefix(tok, system: str | None) -> list[int]:
     return tok(text[: text.index(marker)], add_special_tokens=False).input_ids
 
 
-def counts(n: int) -> list[int]:
-    """n split over CATEGORIES by share (largest remainders; a tie goes to the earlier category)."""
-    exact = [n * share / sum(s for _, s, _ in CATEGORIES) for _, share, _ in CATEGORIES]
+def parse_shares(text: str) -> dict[str, float]:
+    """`--shares writing=0.2,science=0.15` -> {category: share}: the named categories' shares instead of
+    CATEGORIES' (the others keep theirs; all are then scaled to sum to 1)."""
+    names = [name for name, _, _ in CATEGORIES]
+    shares = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        try:
+            share = float(value) if eq else -1.0
+        except ValueError:
+            share = -1.0
+        if name.strip() not in names or share < 0:
+            raise StepError(f"--shares {text!r}: {part!r} is not <category>=<share >= 0>; the categories are "
+                            f"{', '.join(names)}")
+        shares[name.strip()] = share
+    return shares
+
+
+def category_shares(shares: dict[str, float] | None = None) -> list[float]:
+    """Each category's share of the requests, in CATEGORIES' order, summing to 1."""
+    raw = [(shares or {}).get(name, share) for name, share, _ in CATEGORIES]
+    if sum(raw) <= 0:
+        raise StepError("--shares leaves every category at 0: give at least one a share above 0")
+    return [x / sum(raw) for x in raw]
+
+
+def counts(n: int, shares: dict[str, float] | None = None) -> list[int]:
+    """n split over CATEGORIES by share (largest remainders; a tie goes to the earlier category); `shares`
+    replaces the named categories' shares (parse_shares)."""
+    exact = [n * share for share in category_shares(shares)]
     each = [int(x) for x in exact]
     for i in sorted(range(len(exact)), key=lambda i: -(exact[i] - each[i]))[: n - sum(each)]:
         each[i] += 1
@@ -112,7 +140,7 @@ def select(generations: list[tuple[str, str, str, bool]], questions: list[str]) 
 
 
 def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: float, max_new_tokens: int,
-          batch_size: int, seed: int, progress: bool = True) -> dict:
+          batch_size: int, seed: int, progress: bool = True, shares: dict[str, float] | None = None) -> dict:
     """Write `out` and `<out>.sources.json`; returns the sidecar's content."""
     import torch
     import transformers
@@ -124,7 +152,7 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
         raise StepError(f"--n {n}: ask for at least one prompt")
     t0 = time.time()
     tok = load_tokenizer(cfg)
-    asked = counts(n)
+    asked = counts(n, shares)
     cats, prompts = [], []
     for (name, _, system), k in zip(CATEGORIES, asked):
         ids = request_prefix(tok, system)
@@ -137,8 +165,9 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
     records, dropped = select([(c, g.text, g.finish_reason, any(t in special for t in g.token_ids[:-1]))
                                for c, g in zip(cats, gens)], questions)
     write_records(records, out)
-    per_cat = {name: {"asked": k, "kept": sum(r["set"] == name for r in records), "system_prompt_while_writing": s}
-               for (name, _, s), k in zip(CATEGORIES, asked)}
+    per_cat = {name: {"share": round(share, 6), "asked": k, "kept": sum(r["set"] == name for r in records),
+                      "system_prompt_while_writing": s}
+               for (name, _, s), share, k in zip(CATEGORIES, category_shares(shares), asked)}
     sidecar = {
         "output": repo_relative(out), "output_sha256": sha256_file(out), "conversations": len(records),
         "format": "prompt_sets' format: one user turn (written by the target) + the placeholder answer",
@@ -173,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--batch-size", type=int, default=0, help="default: the config's data.batch_size")
     ap.add_argument("--seed", type=int, default=None, help="default: the config's run.seed")
+    ap.add_argument("--shares", default="", help="other shares for some categories, e.g. writing=0.2,science=0.15 "
+                    "(the rest keep theirs; all are scaled to sum to 1)")
     args = ap.parse_args(argv)
     setup_env()
     try:
@@ -182,7 +213,7 @@ def main(argv=None) -> int:
         questions = [t for q in load_mtbench(cfg.run.stack) for t in q["turns"]]
         side = build(cfg, args.n, out, questions, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                      batch_size=args.batch_size or cfg.data.batch_size,
-                     seed=cfg.run.seed if args.seed is None else args.seed)
+                     seed=cfg.run.seed if args.seed is None else args.seed, shares=parse_shares(args.shares))
     except (ConfigError, StepError) as e:
         print(f"self_prompts: {e}", file=sys.stderr)
         return 1

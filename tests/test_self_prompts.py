@@ -10,6 +10,7 @@ from conftest import write_config
 from pipeline import self_prompts
 from pipeline.config import load_config
 from pipeline.datasets import load_mtbench
+from pipeline.manifest import StepError
 from pipeline.prepare import load_tokenizer, selected_conversations
 from pipeline.prompt_sets import PLACEHOLDER
 
@@ -28,6 +29,22 @@ def test_counts_cover_n_and_follow_the_shares():
         assert all(abs(k - n * share) < 1 for k, share in zip(c, shares)), (n, c)
     assert self_prompts.counts(1) == [1] + [0] * 8
     assert self_prompts.counts(1000) == [400] + [75] * 8
+
+
+def test_shares_move_requests_between_categories_and_bad_ones_are_refused():
+    names = [name for name, _, _ in self_prompts.CATEGORIES]
+    shares = self_prompts.parse_shares("writing=0.15, science=0")
+    assert shares == {"writing": 0.15, "science": 0.0}  # the sum stays 1 here
+    c = dict(zip(names, self_prompts.counts(1000, shares)))
+    assert c == {**c, "default": 400, "writing": 150, "science": 0, "math": 75} and sum(c.values()) == 1000
+    # shares are relative: doubling every one changes nothing
+    assert self_prompts.counts(999, {n: 2 * s for n, s, _ in self_prompts.CATEGORIES}) == self_prompts.counts(999)
+    assert self_prompts.parse_shares("") == {}
+    for bad in ("poetry=0.2", "writing=-1", "writing", "writing=lots"):
+        with pytest.raises(StepError, match="the categories are default, writing"):
+            self_prompts.parse_shares(bad)
+    with pytest.raises(StepError, match="every category at 0"):
+        self_prompts.counts(10, {n: 0 for n in names})
 
 
 def test_request_prefix_is_the_opening_of_a_user_turn(cfg):
@@ -78,8 +95,11 @@ def test_build_writes_a_source_prepare_takes_and_is_reproducible(cfg, tmp_path):
     first = out.read_bytes()
     again = self_prompts.build(cfg, 16, out, questions, **kw)
     assert out.read_bytes() == first and again["output_sha256"] == side["output_sha256"]
-    other = self_prompts.build(cfg, 16, tmp_path / "other.jsonl.gz", questions, **{**kw, "seed": 4})
+    assert [c["share"] for c in side["categories"].values()] == pytest.approx(self_prompts.category_shares(), abs=1e-6)
+    other = self_prompts.build(cfg, 16, tmp_path / "other.jsonl.gz", questions, **{**kw, "seed": 4},
+                               shares={"writing": 0.925})   # as much as the others' 0.925 together: half
     assert other["output_sha256"] != side["output_sha256"]
+    assert other["categories"]["writing"]["share"] == 0.5 and other["categories"]["writing"]["asked"] == 8
 
     mix = load_config(cfg.source_path, {"data.sources": ["sharegpt", str(out)], "data.weights": [0.001, 1.0],
                                         "data.max_conversations": 0, "data.regenerate": "first_turn"})

@@ -373,13 +373,15 @@ PY
     # (before `run8 model`: a config naming a missing source is refused; the target comes from a plain model step)
     # S8_SELF_OUT=FILE S8_SELF_SEED=S (session 27): another set of requests beside the first (another seed: other
     # requests; prepare drops any that repeats an earlier source's), e.g. data/prompts/self-prompts-2.jsonl.gz
+    # S8_SELF_SHARES=writing=0.2,... (session 28): other shares for some categories (pipeline.self_prompts --shares)
     SELF_OUT=${S8_SELF_OUT:-data/prompts/self-prompts.jsonl.gz}
     if [ -n "${S8_SELF:-}" ] && [ -f $SELF_OUT ]; then
       echo "[s8] self_prompts: $SELF_OUT is there, kept: $(python3 -c "import json; d=json.load(open('$SELF_OUT.sources.json')); print(d['asked'], 'asked,', d['conversations'], 'kept, sha256', d['output_sha256'][:12])" 2>/dev/null || echo "no .sources.json beside it")"
     elif [ -n "${S8_SELF:-}" ]; then
       python3 -m pipeline model --config $CONFIG 2>&1 | tail -5; [ "${PIPESTATUS[0]}" = 0 ] || { echo "[s8] model failed"; exit 1; }
       echo "[s8] self_prompts start $(date +%s)"
-      python3 -m pipeline.self_prompts --config $CONFIG --n "$S8_SELF" --out $SELF_OUT ${S8_SELF_SEED:+--seed $S8_SELF_SEED} 2>&1 \
+      python3 -m pipeline.self_prompts --config $CONFIG --n "$S8_SELF" --out $SELF_OUT ${S8_SELF_SEED:+--seed $S8_SELF_SEED} \
+        ${S8_SELF_SHARES:+--shares $S8_SELF_SHARES} 2>&1 \
         | grep -v -E "it/s\]|s/it\]|prompt/s\]"; rc=${PIPESTATUS[0]}
       echo "[s8] self_prompts end $(date +%s) rc=$rc"; [ "$rc" = 0 ] || exit 1
     fi
