@@ -86,7 +86,7 @@ def parse_shares(text: str) -> dict[str, float]:
             share = float(value) if eq else -1.0
         except ValueError:
             share = -1.0
-        if name.strip() not in names or share < 0:
+        if name.strip() not in names or not 0 <= share < float("inf"):  # NaN fails both
             raise StepError(f"--shares {text!r}: {part!r} is not <category>=<share >= 0>; the categories are "
                             f"{', '.join(names)}")
         shares[name.strip()] = share

@@ -40,7 +40,7 @@ def test_shares_move_requests_between_categories_and_bad_ones_are_refused():
     # shares are relative: doubling every one changes nothing
     assert self_prompts.counts(999, {n: 2 * s for n, s, _ in self_prompts.CATEGORIES}) == self_prompts.counts(999)
     assert self_prompts.parse_shares("") == {}
-    for bad in ("poetry=0.2", "writing=-1", "writing", "writing=lots"):
+    for bad in ("poetry=0.2", "writing=-1", "writing", "writing=lots", "writing=nan", "writing=inf"):
         with pytest.raises(StepError, match="the categories are default, writing"):
             self_prompts.parse_shares(bad)
     with pytest.raises(StepError, match="every category at 0"):
