@@ -29,10 +29,15 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.datasets import load_mtbench  # noqa: E402
 from pipeline.engines.hf_engine import load_target, stop_token_ids  # noqa: E402
 from pipeline.engines.hf_spec_eval import Eagle3Draft, decode  # noqa: E402
+from pipeline.evaluate import first_turns, spec_metrics  # noqa: E402
+
+COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
 
 
-def al(stats: dict) -> float:
-    return 1 + stats["accepted_tokens"] / stats["drafts"] if stats["drafts"] else 1.0
+def total(stats: list[dict]) -> dict:
+    """decode()'s counters of several prompts, summed."""
+    return {**{f: sum(s[f] for s in stats) for f in COUNTERS},
+            "accepted_per_pos": [sum(a) for a in zip(*(s["accepted_per_pos"] for s in stats))]}
 
 
 def main() -> int:
@@ -45,30 +50,27 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)  # as the evaluator on CPU: one sequence's small ops, 1 thread is fastest
-    cfg = load_config(args.config)
-    k, max_tokens = cfg.eval.num_speculative_tokens, args.max_tokens or cfg.eval.max_tokens
+    cfg = load_config(args.config, {"eval.max_tokens": args.max_tokens} if args.max_tokens else {})
+    k, max_tokens, max_len = cfg.eval.num_speculative_tokens, cfg.eval.max_tokens, cfg.model.max_model_len
     dev = torch.device("cpu")
     target = load_target(cfg.model_path, cfg.eval.dtype, cfg.model.trust_remote_code, dev)
     tok = AutoTokenizer.from_pretrained(cfg.model_path, trust_remote_code=cfg.model.trust_remote_code)
     stop = stop_token_ids(cfg.model_path, tok, target)
-    questions = load_mtbench(cfg.run.stack)[: cfg.eval.max_prompts]
-    prompts = [(q["category"], prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}])) for q in questions]
+    # the evaluator's prompts (evaluate.first_turns, and eval_prompts' length rule), each with its category
+    prompts = [(q["category"], prompt_ids(tok, m)) for q, m in zip(load_mtbench(cfg.run.stack), first_turns(cfg))]
+    prompts = [(cat, ids) for cat, ids in prompts if len(ids) + max_tokens <= max_len]
     table = {}
     for spec in args.drafters:
         name, _, path = spec.partition("=")
         draft = Eagle3Draft(path, target, getattr(torch, cfg.eval.dtype), dev)
-        per = defaultdict(lambda: {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": [0] * k})
+        per = defaultdict(lambda: {**dict.fromkeys(COUNTERS, 0), "accepted_per_pos": [0] * k})
         t0 = time.time()
         for cat, ids in prompts:
-            s = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": [0] * k}
-            decode(target, ids, max_tokens=max_tokens, max_model_len=cfg.model.max_model_len, stop=stop,
-                   draft=draft, k=k, stats=s)
-            for key in (cat, "all"):
-                for f in ("drafts", "draft_tokens", "accepted_tokens"):
-                    per[key][f] += s[f]
-                per[key]["accepted_per_pos"] = [a + b for a, b in zip(per[key]["accepted_per_pos"], s["accepted_per_pos"])]
+            decode(target, ids, max_tokens=max_tokens, max_model_len=max_len, stop=stop, draft=draft, k=k, stats=per[cat])
+        per["all"] = total(list(per.values()))
         table[name] = {"path": path, "seconds": round(time.time() - t0, 1),
-                       "al": {c: round(al(v), 3) for c, v in per.items()}, "counters": dict(per)}
+                       "al": {c: round(spec_metrics(v, k)["acceptance_length"], 3) for c, v in per.items()},
+                       "counters": dict(per)}
         print(f"[by-category] {name}: AL {table[name]['al']['all']:.3f} over {len(prompts)} prompts "
               f"({table[name]['seconds']} s)", flush=True)
     cats = list(dict.fromkeys(c for c, _ in prompts)) + ["all"]
