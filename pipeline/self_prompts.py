@@ -81,15 +81,15 @@ def parse_shares(text: str) -> dict[str, float]:
     names = [name for name, _, _ in CATEGORIES]
     shares = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, value = part.partition("=")
+        name, _, value = (x.strip() for x in part.partition("="))
         try:
-            share = float(value) if eq else -1.0
+            share = float(value)  # "" (no "=") fails here too
         except ValueError:
-            share = -1.0
-        if name.strip() not in names or not 0 <= share < float("inf"):  # NaN fails both
+            share = float("nan")
+        if name not in names or not 0 <= share < float("inf"):  # NaN fails both
             raise StepError(f"--shares {text!r}: {part!r} is not <category>=<share >= 0>; the categories are "
                             f"{', '.join(names)}")
-        shares[name.strip()] = share
+        shares[name] = share
     return shares
 
 
