@@ -107,3 +107,30 @@ def test_build_writes_a_source_prepare_takes_and_is_reproducible(cfg, tmp_path):
     mine = [c for c in selected if c["id"].startswith("self/")]
     assert len(mine) == len(recs)
     assert {c["messages"][0]["content"] for c in mine} == {r["conversations"][0]["value"] for r in recs}
+
+
+def test_vllm_engine_gives_each_request_its_own_seed_and_the_same_file_again(cfg, tmp_path):
+    """`--engine vllm` (real vLLM on CPU): one seed per request, so the 24 requests are not one per category (one
+    seed for all would write the same request for every prompt of a category, and select drops those as
+    duplicates); the same seed writes the same bytes again."""
+    out = tmp_path / "self.jsonl.gz"
+    questions = [t for q in load_mtbench("vllm-0.32") for t in q["turns"]]
+    kw = dict(temperature=0.9, max_new_tokens=64, batch_size=0, seed=3, progress=False, engine="vllm")
+    side = self_prompts.build(cfg, 24, out, questions, **kw)
+    recs = [json.loads(line) for line in gzip.open(out, "rt")]
+    assert side["sampling"]["engine"].startswith("vLLM") and side["sampling"]["vllm"]
+    assert len(recs) > len(self_prompts.CATEGORIES), side["dropped"]
+    first = out.read_bytes()
+    self_prompts.build(cfg, 24, out, questions, **kw)
+    assert out.read_bytes() == first
+    assert self_prompts.request_seed(3, 5) != self_prompts.request_seed(4, 5) != self_prompts.request_seed(3, 6)
+
+
+def test_per_request_seeds_must_match_the_prompts():
+    from pipeline.engines.vllm_offline import generate
+
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        generate(object(), [[1, 2]], max_new_tokens=4, temperature=1.0, seed=[1, 2])
+    with pytest.raises(StepError, match="use hf .transformers. or vllm"):
+        self_prompts.write_requests(None, [[1]], engine="tgi", temperature=1.0, max_new_tokens=4, batch_size=1,
+                                    seed=0, progress=False)

@@ -3,7 +3,7 @@
 `python -m pipeline.engines.vllm_generate`: the first line on stdin holds the vllm.LLM keyword arguments; the
 engine runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor; why in
 pipeline.engines.vllm_offline) and one line {"ready": true} says it is up. Then each request line
-{"prompts": [[ids]], "max_new_tokens", "temperature", "seed"} gets one line
+{"prompts": [[ids]], "max_new_tokens", "temperature", "seed" (one, or a list: one per prompt)} gets one line
 {"generations": [[text, token_ids, finish_reason], ...]}; EOF on stdin ends the process (exit 0).
 The answers go to this process's original stdout; everything else printed here (vLLM's log, tqdm) goes to stderr.
 """

@@ -77,7 +77,8 @@ class EngineProcess:
         self.busy = False
         return json.loads(line)
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 seed: int | list[int]) -> list[Generation]:
         request = {"prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
         return [Generation(*g) for g in self._call(request, "generate")["generations"]]
 
@@ -117,13 +118,21 @@ def make_llm(model_path: str, *, max_model_len: int, dtype: str, seed: int, trus
     return LLM(**args)
 
 
-def generate(llm, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int) -> list[Generation]:
+def generate(llm, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+             seed: int | list[int]) -> list[Generation]:
+    """One Generation per prompt. `seed`: one for all (sampled prompts that are equal get equal answers), or a
+    list with one seed per prompt (each request its own random stream: pipeline.self_prompts)."""
+    if isinstance(seed, list) and len(seed) != len(prompts):
+        raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts")
     if isinstance(llm, EngineProcess):
         return llm.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
+    if isinstance(seed, list):
+        params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=s) for s in seed]
+    else:
+        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=True)
     return [Generation(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
 
