@@ -376,14 +376,10 @@ def regenerate(cfg: Config, tok, selected: list[dict], out: Path) -> dict:
                                trust_remote_code=cfg.model.trust_remote_code, on_batch=done, **kw)
 
         return regenerate_rounds(cfg, tok, selected, out, cache, generate_all)
-    from .engines.vllm_offline import EngineProcess, close, generate, make_llm
+    from .engines.vllm_offline import EngineProcess, close, generate, target_llm
 
     # an engine process interrupted while it starts is killed by its own atexit hook (EngineProcess)
-    llm = make_llm(
-        cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=cfg.run.seed,
-        trust_remote_code=cfg.model.trust_remote_code, enforce_eager=cfg.engine.enforce_eager,
-        **cfg.engine.llm_kwargs(),
-    )
+    llm = target_llm(cfg)
 
     def generate_all(prompts, done, **kw):
         for s in range(0, len(prompts), VLLM_CHUNK):

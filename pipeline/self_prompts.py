@@ -170,12 +170,10 @@ def write_requests(cfg: Config, prompts: list[list[int]], *, engine: str, temper
             import vllm
         except ImportError as e:
             raise StepError(f"--engine vllm: vLLM is not installed here ({e}); use --engine hf") from e
-        from .engines.vllm_offline import close, generate, make_llm
+        from .engines.vllm_offline import close, generate, target_llm
 
-        llm = make_llm(cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype, seed=seed,
-                       trust_remote_code=cfg.model.trust_remote_code, enforce_eager=cfg.engine.enforce_eager,
-                       enable_chunked_prefill=False,  # seeded requests on the CPU worker: see the module doc
-                       **cfg.engine.llm_kwargs())
+        # chunked prefill off: seeded requests on the CPU worker (the module doc)
+        llm = target_llm(cfg, seed=seed, enable_chunked_prefill=False)
         try:
             gens = generate(llm, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                             seed=[request_seed(seed, i) for i in range(len(prompts))])

@@ -118,6 +118,14 @@ def make_llm(model_path: str, *, max_model_len: int, dtype: str, seed: int, trus
     return LLM(**args)
 
 
+def target_llm(cfg, *, seed: int | None = None, dtype: str | None = None, **kw):
+    """make_llm for the run's target as the config says (model, [engine]); seed defaults to run.seed and dtype to
+    model.dtype; `kw` adds vllm.LLM arguments (prepare, pipeline.self_prompts, tests/bench)."""
+    return make_llm(cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=dtype or cfg.model.dtype,
+                    seed=cfg.run.seed if seed is None else seed, trust_remote_code=cfg.model.trust_remote_code,
+                    enforce_eager=cfg.engine.enforce_eager, **kw, **cfg.engine.llm_kwargs())
+
+
 def generate(llm, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
              seed: int | list[int]) -> list[Generation]:
     """One Generation per prompt. `seed`: one for all (sampled prompts that are equal get equal answers), or a

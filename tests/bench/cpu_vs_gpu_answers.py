@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.chat import prompt_ids_batch  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.engines.vllm_offline import close, generate, make_llm  # noqa: E402
+from pipeline.engines.vllm_offline import close, generate, target_llm  # noqa: E402
 from pipeline.env import setup_env  # noqa: E402
 from pipeline.prepare import load_tokenizer  # noqa: E402
 
@@ -59,8 +59,7 @@ def main() -> int:
     rows = {}
     for dtype in args.dtypes.split(","):
         t0 = time.time()
-        llm = make_llm(cfg.model_path, max_model_len=cfg.model.max_model_len, dtype=dtype, seed=cfg.run.seed,
-                       enforce_eager=True, **cfg.engine.llm_kwargs())
+        llm = target_llm(cfg, dtype=dtype)
         try:
             cpu = [g.text for g in generate(llm, prompts, max_new_tokens=cfg.data.max_new_tokens,
                                             temperature=0.0, seed=cfg.run.seed)]
