@@ -51,9 +51,12 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
         raise StepError(f"{run}/train: neither manifest.json nor metrics.jsonl; --run must be the run that trained the draft")
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     args, vals = rows[0], [r["val"] for r in rows if "val" in r]
-    if not 0 <= epoch < len(vals):
-        raise StepError(f"{path}: {len(vals)} epochs validated, so there is no checkpoint after epoch {epoch} "
-                        f"(0-based) of it")
+    # speculators saves an epoch's checkpoint before that epoch's validation: a run stopped during it (session 30's
+    # deadline) has the checkpoint and the epoch's step rows, but no val row for it
+    stepped = any(r.get("epoch") == epoch and "train" in r for r in rows)
+    if not (0 <= epoch < len(vals) or (epoch == len(vals) and stepped)):
+        raise StepError(f"{path}: {len(vals)} epochs validated and no steps logged for epoch {epoch}, so there is "
+                        f"no checkpoint after epoch {epoch} (0-based) of it")
     scheduled = args.get("trainer", {}).get("epochs")
     logged = {"train.epochs": scheduled, "train.num_layers": args.get("draft", {}).get("num_layers"),
               "train.lr": args.get("optimizer", {}).get("lr"), "train.ttt_steps": args.get("loss", {}).get("ttt_steps"),
@@ -75,7 +78,8 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     return {"config_sections": {"train": dataclasses.asdict(cfg.train)}, "inputs": inputs,
             "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled, "finished": False,
                         "eagle_aux_hidden_state_layer_ids": args.get("draft", {}).get("target_layer_ids"),
-                        "final_val": val_summary(vals[epoch]), "train_tokens_per_s": train_throughput(rows)}}
+                        "final_val": val_summary(vals[epoch]) if epoch < len(vals) else None,
+                        "validated": epoch < len(vals), "train_tokens_per_s": train_throughput(rows)}}
 
 
 def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None) -> dict:
@@ -114,7 +118,7 @@ def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None) -> di
         "vocab": {k: vocab["summary"].get(k) for k in ("draft_vocab_size", "target_vocab_size", "coverage_train",
                                                         "coverage_eval", "d2t_sha256")},
         "train": {**train["config_sections"]["train"], "epochs": ts.get("epochs"),
-                  **({k: ts[k] for k in ("epochs_scheduled", "finished")} if "finished" in ts else {}),
+                  **({k: ts[k] for k in ("epochs_scheduled", "finished", "validated")} if "finished" in ts else {}),
                   "eagle_aux_hidden_state_layer_ids": ts.get("eagle_aux_hidden_state_layer_ids"),
                   "final_val": ts.get("final_val"), "tokens_per_s": ts.get("train_tokens_per_s"),
                   "seconds": train.get("seconds"), "gpus": [g["name"] for g in (train.get("host") or {}).get("gpus", [])],

@@ -291,8 +291,8 @@ def test_ship_scores_each_sources_heldout_prompts_of_a_mix(work, monkeypatch):
 def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
     """A run whose device time ran out mid-schedule has no train manifest: `pipeline.ship --epoch N` reads how it
     was trained from speculators' own metrics.jsonl (the suite's real 8-epoch run, its manifest left out), and
-    refuses an epoch it did not validate, the schedule's last epoch, a finished run, and train settings other
-    than the run's."""
+    refuses an epoch it never stepped, the schedule's last epoch, a finished run, and train settings other than
+    the run's; an epoch stepped but not validated (the run stopped during its validation) ships as unvalidated."""
     import dataclasses
 
     from pipeline.manifest import StepError
@@ -315,8 +315,21 @@ def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
     assert t["eagle_aux_hidden_state_layer_ids"] and t["tokens_per_s"] > 0
     assert t["num_layers"] == trained_run.train.num_layers and made["data"]["train_samples"] > 0
 
+    assert t["validated"] is True
     with pytest.raises(StepError, match="no checkpoint after epoch 8"):
         recipe(run, trained_run, 8)
+
+    # stopped during epoch 3's validation (its checkpoint saved, its steps logged, no val row): shipped unvalidated;
+    # epoch 4, never stepped, is still refused
+    full = (run / "train" / "metrics.jsonl").read_text()
+    lines = full.splitlines(keepends=True)
+    cut = [i for i, x in enumerate(lines) if '"val"' in x][3]
+    (run / "train" / "metrics.jsonl").write_text("".join(lines[:cut]))
+    t = recipe(run, trained_run, 3)["train"]
+    assert (t["epochs"], t["final_val"], t["validated"], t["finished"]) == (4, None, False, False)
+    with pytest.raises(StepError, match="no checkpoint after epoch 4"):
+        recipe(run, trained_run, 4)
+    (run / "train" / "metrics.jsonl").write_text(full)
     with pytest.raises(StepError, match="the schedule's last"):
         recipe(run, trained_run, 7)
     other = dataclasses.replace(trained_run, train=dataclasses.replace(trained_run.train, epochs=4))
