@@ -58,7 +58,10 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
         raise StepError(f"{path}: {len(vals)} epochs validated and no steps logged for epoch {epoch}, so there is "
                         f"no checkpoint after epoch {epoch} (0-based) of it")
     scheduled = args.get("trainer", {}).get("epochs")
-    logged = {"train.epochs": scheduled, "train.num_layers": args.get("draft", {}).get("num_layers"),
+    draft = args.get("draft", {})
+    # with --from-pretrained (train.init_from) the layer count is the init drafter's (train checks it against
+    # train.num_layers) and the logged num_layers is speculators' unused default
+    logged = {"train.epochs": scheduled, "train.num_layers": None if draft.get("from_pretrained") else draft.get("num_layers"),
               "train.lr": args.get("optimizer", {}).get("lr"), "train.ttt_steps": args.get("loss", {}).get("ttt_steps"),
               "train.total_seq_len": args.get("data", {}).get("total_seq_len")}
     differ = [f"{k} (run: {v!r}, config: {getattr(cfg.train, k[6:])!r})" for k, v in logged.items()
@@ -77,7 +80,7 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     inputs = {"init_from": init_hashes(cfg)} if cfg.train.init_from else {}
     return {"config_sections": {"train": dataclasses.asdict(cfg.train)}, "inputs": inputs,
             "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled, "finished": False,
-                        "eagle_aux_hidden_state_layer_ids": args.get("draft", {}).get("target_layer_ids"),
+                        "eagle_aux_hidden_state_layer_ids": draft.get("target_layer_ids"),
                         "final_val": val_summary(vals[epoch]) if epoch < len(vals) else None,
                         "validated": epoch < len(vals), "train_tokens_per_s": train_throughput(rows)}}
 

@@ -330,6 +330,13 @@ def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
     with pytest.raises(StepError, match="no checkpoint after epoch 4"):
         recipe(run, trained_run, 4)
     (run / "train" / "metrics.jsonl").write_text(full)
+
+    # a continued run (train.init_from): speculators logs its unused --num-layers default, not the layers trained
+    head = json.loads(lines[0])
+    head["draft"] = {**head["draft"], "from_pretrained": "runs/x/train/init", "num_layers": trained_run.train.num_layers + 1}
+    (run / "train" / "metrics.jsonl").write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    assert recipe(run, trained_run, 2)["train"]["epochs"] == 3
+    (run / "train" / "metrics.jsonl").write_text(full)
     with pytest.raises(StepError, match="the schedule's last"):
         recipe(run, trained_run, 7)
     other = dataclasses.replace(trained_run, train=dataclasses.replace(trained_run.train, epochs=4))
