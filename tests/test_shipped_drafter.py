@@ -180,6 +180,10 @@ def test_a_continued_drafter_records_the_drafter_it_started_from():
     line = shipped_lines(load_config(REPO / "configs" / "smollm2-shipped.toml"))[0]
     init = shipped["recipe"]["train"].get("init_from")
     assert ("continuing a drafter of" in line) == bool(init and init.get("results")), line
+    from pipeline.report import epochs_text  # an unfinished schedule says so (session 30's: 1 epoch of 2)
+
+    assert epochs_text(shipped["epochs"], shipped["recipe"]["train"].get("epochs_scheduled")) + " on " in line, line
+    assert (epochs_text(1), epochs_text(3), epochs_text(1, 2)) == ("1 epoch", "3 epochs", "1 epoch of a 2-epoch schedule")
 
 
 def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
