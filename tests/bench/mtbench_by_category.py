@@ -8,6 +8,11 @@ greedy chain speculative decoding, K from the config, the engine `pipeline.evalu
 whose counters agree with vLLM's under test) and sums its counters per category. Each drafter's overall AL is
 printed beside its categories, to compare with the vLLM figure (float32 on CPU, as the evaluator).
 Prints a table (drafters x categories) and writes it as JSON with --out.
+
+--target-confidence adds the target's own confidence per category, without any drafter: along its greedy output
+of each prompt (one forward over prompt + output), the mean probability of its top token and the share of
+positions where that probability is under 0.5. A greedy draft must guess the target's argmax; where the target
+itself is unsure, the argmax is harder to guess from the hidden states, whatever the data.
 """
 
 import argparse
@@ -40,13 +45,32 @@ def total(stats: list[dict]) -> dict:
             "accepted_per_pos": [sum(a) for a in zip(*(s["accepted_per_pos"] for s in stats))]}
 
 
+def target_confidence(target, prompts: list[tuple[str, list[int]]], max_tokens: int, max_len: int,
+                      stop: set[int]) -> dict:
+    """Per category (and "all"): the target's top-1 probability along its own greedy output, averaged over the
+    output positions, and the share of those positions where it is under 0.5."""
+    per = defaultdict(list)
+    for cat, ids in prompts:
+        out = decode(target, ids, max_tokens=max_tokens, max_model_len=max_len, stop=stop)
+        with torch.no_grad():
+            logits = target(input_ids=torch.tensor([ids + out])).logits[0, len(ids) - 1:len(ids) + len(out) - 1]
+        top1 = logits.float().softmax(-1).max(-1).values.tolist()
+        per[cat] += top1
+        per["all"] += top1
+    return {c: {"positions": len(v), "mean_top1": round(sum(v) / len(v), 4),
+                "share_under_half": round(sum(p < 0.5 for p in v) / len(v), 4)} for c, v in per.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/smollm2-shipped.toml")
     ap.add_argument("--max-tokens", type=int, default=None, help="default: the config's eval.max_tokens")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("drafters", nargs="+", help="NAME=PATH of a drafter folder (config.json + model.safetensors)")
+    ap.add_argument("--target-confidence", action="store_true", help="also the target's confidence per category")
+    ap.add_argument("drafters", nargs="*", help="NAME=PATH of a drafter folder (config.json + model.safetensors)")
     args = ap.parse_args()
+    if not args.drafters and not args.target_confidence:
+        ap.error("name at least one drafter, or --target-confidence")
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)  # as the evaluator on CPU: one sequence's small ops, 1 thread is fastest
@@ -78,9 +102,14 @@ def main() -> int:
     print("|---" * (len(cats) + 1) + "|")
     for name, r in table.items():
         print(f"| {name} | " + " | ".join(f"{r['al'][c]:.3f}" for c in cats) + " |")
+    confidence = target_confidence(target, prompts, max_tokens, max_len, stop) if args.target_confidence else None
+    if confidence:
+        for key, what in (("mean_top1", "target: mean top-1 probability"), ("share_under_half", "target: top-1 < 0.5")):
+            print(f"| {what} | " + " | ".join(f"{confidence[c][key]:.3f}" for c in cats) + " |")
     if args.out:
         args.out.write_text(json.dumps({"config": args.config, "max_tokens": max_tokens, "k": k,
-                                        "prompts": len(prompts), "drafters": table}, indent=1) + "\n")
+                                        "prompts": len(prompts), "drafters": table,
+                                        **({"target_confidence": confidence} if confidence else {})}, indent=1) + "\n")
     return 0
 
 
