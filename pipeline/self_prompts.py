@@ -64,11 +64,32 @@ CATEGORIES = [
                        "engineering and medicine."),
     ("humanities", 0.075, "You are a humanities scholar. Users ask you about history, philosophy, economics, law, "
                           "literature and the arts."),
+    # Share 0 unless `--shares` names them, so every file written before them is written the same again. Session
+    # 31 (NOTES, `tests/bench/request_style.py`): MT-bench's writing, STEM and humanities prompts are complete
+    # assignments, 40-80 % of them opening with a verb of a task ("Compose an engaging travel blog post about...",
+    # "Explain ... and list five examples"), while 84 % of the target's own requests ask for help or talk about the
+    # user ("I'm looking to...", "Can you help me...") and 1 % open with such a verb; a system prompt alone did not
+    # move that (1 % again in a 500-request trial). These two categories also write the request's first words
+    # (OPENINGS): the target continues "Write a" or "Explain" with a topic and requirements of its own.
+    ("writing_task", 0.0, "You are a writer. Each user gives you one complete writing assignment, with its topic and "
+                          "requirements spelled out, and you write the finished piece."),
+    ("explain_task", 0.0, "You are an expert teacher. Each user gives you one precise task about a specific topic in "
+                          "science, technology, history, economics, law, philosophy or the arts."),
 ]
+# A category's request openings (request i of the category starts with OPENINGS[category][i % len]); the stored
+# request is the opening followed by the target's continuation.
+OPENINGS = {
+    "writing_task": ("Write a", "Compose a", "Draft an email", "Write a short story", "Write a poem", "Craft a",
+                     "Write a persuasive", "Write a blog post", "Create a", "Describe a", "Write a speech",
+                     "Write a letter"),
+    "explain_task": ("Explain", "Describe", "Compare", "Discuss", "What is", "How does", "Provide an overview of",
+                     "List five", "Outline", "Summarize", "What are the main", "Why did"),
+}
 
 
-def request_prefix(tok, system: str | None) -> list[int]:
-    """Token ids of the chat template up to the start of a user turn's text (the system turn first, if any)."""
+def request_prefix(tok, system: str | None, opening: str = "") -> list[int]:
+    """Token ids of the chat template up to the start of a user turn's text (the system turn first, if any), then
+    `opening`, the request's first words (OPENINGS), if any."""
     marker = "\x00REQUEST\x00"
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
     try:
@@ -77,7 +98,7 @@ def request_prefix(tok, system: str | None) -> list[int]:
         raise StepError(f"the target's chat template cannot render {[m['role'] for m in msgs]}: {e}") from e
     if marker not in text:
         raise StepError("the target's chat template does not show a user turn's text; self_prompts needs one")
-    return tok(text[: text.index(marker)], add_special_tokens=False).input_ids
+    return tok(text[: text.index(marker)] + opening, add_special_tokens=False).input_ids
 
 
 def parse_shares(text: str) -> dict[str, float]:
@@ -200,19 +221,22 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
     t0 = time.time()
     tok = load_tokenizer(cfg)
     asked = counts(n, shares)
-    cats, prompts = [], []
+    cats, openings, prompts = [], [], []
     for (name, _, system), k in zip(CATEGORIES, asked):
-        ids = request_prefix(tok, system)
-        cats += [name] * k
-        prompts += [ids] * k
+        firsts = OPENINGS.get(name, ("",))
+        for i in range(k):
+            cats.append(name)
+            openings.append(firsts[i % len(firsts)])
+        prefixes = [request_prefix(tok, system, first) for first in firsts]
+        prompts += [prefixes[i % len(firsts)] for i in range(k)]
     gens, made = write_requests(cfg, prompts, engine=engine, temperature=temperature,
                                 max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, progress=progress)
     special = set(tok.all_special_ids)
-    records, dropped = select([(c, g.text, g.finish_reason, any(t in special for t in g.token_ids[:-1]))
-                               for c, g in zip(cats, gens)], questions)
+    records, dropped = select([(c, o + g.text, g.finish_reason, any(t in special for t in g.token_ids[:-1]))
+                               for c, o, g in zip(cats, openings, gens)], questions)
     write_records(records, out)
     per_cat = {name: {"share": round(share, 6), "asked": k, "kept": sum(r["set"] == name for r in records),
-                      "system_prompt_while_writing": s}
+                      "system_prompt_while_writing": s, **({"openings": list(OPENINGS[name])} if name in OPENINGS else {})}
                for (name, _, s), share, k in zip(CATEGORIES, category_shares(shares), asked)}
     sidecar = {
         "output": repo_relative(out), "output_sha256": sha256_file(out), "conversations": len(records),

@@ -27,8 +27,13 @@ def test_counts_cover_n_and_follow_the_shares():
         c = self_prompts.counts(n)
         assert sum(c) == n
         assert all(abs(k - n * share) < 1 for k, share in zip(c, shares)), (n, c)
-    assert self_prompts.counts(1) == [1] + [0] * 8
-    assert self_prompts.counts(1000) == [400] + [75] * 8
+    assert self_prompts.counts(1) == [1] + [0] * 10
+    assert self_prompts.counts(1000) == [400] + [75] * 8 + [0, 0]
+    # the two task categories (session 31) are off unless --shares names them: files written before them come
+    # out the same again (same counts, same request order, same per-request seeds)
+    assert [name for name, _, _ in self_prompts.CATEGORIES][-2:] == ["writing_task", "explain_task"]
+    only_tasks = {name: 0 for name, _, _ in self_prompts.CATEGORIES} | {"writing_task": 1, "explain_task": 1}
+    assert self_prompts.counts(11, only_tasks) == [0] * 9 + [6, 5]
 
 
 def test_shares_move_requests_between_categories_and_bad_ones_are_refused():
@@ -59,6 +64,9 @@ def test_request_prefix_is_the_opening_of_a_user_turn(cfg):
     # SmolLM2's template puts its default system turn in when there is none: the stored conversation (no system
     # turn) is regenerated under exactly the context the "default" requests were written in
     assert "SmolLM" in tok.decode(self_prompts.request_prefix(tok, None))
+    # an opening (OPENINGS) is the request's first words: the same template, then the opening's tokens
+    bare, opened = self_prompts.request_prefix(tok, None), self_prompts.request_prefix(tok, None, "Write a poem")
+    assert opened[: len(bare)] == bare and tok.decode(opened[len(bare):]) == "Write a poem"
 
 
 def test_select_drops_each_reason_and_keeps_the_rest():
@@ -107,6 +115,25 @@ def test_build_writes_a_source_prepare_takes_and_is_reproducible(cfg, tmp_path):
     mine = [c for c in selected if c["id"].startswith("self/")]
     assert len(mine) == len(recs)
     assert {c["messages"][0]["content"] for c in mine} == {r["conversations"][0]["value"] for r in recs}
+
+
+def test_task_categories_open_each_request_with_their_openings(cfg, tmp_path):
+    """writing_task / explain_task (session 31): the real target continues each opening in turn; the stored
+    request starts with it (the target's own requests almost never open with a task verb: NOTES "Session 31")."""
+    out = tmp_path / "tasks.jsonl.gz"
+    questions = [t for q in load_mtbench("vllm-0.32") for t in q["turns"]]
+    only = {name: 0 for name, _, _ in self_prompts.CATEGORIES} | {"writing_task": 1, "explain_task": 1}
+    side = self_prompts.build(cfg, 16, out, questions, temperature=0.9, max_new_tokens=48, batch_size=16, seed=3,
+                              progress=False, shares=only)
+    recs = [json.loads(line) for line in gzip.open(out, "rt")]
+    assert len(recs) >= 8, side["dropped"]
+    for r in recs:
+        cat, i = r["set"], int(r["id"].rsplit("-", 1)[1])   # ids count over all requests: explain's start at 8
+        first = self_prompts.OPENINGS[cat][(i - (8 if cat == "explain_task" else 0)) % len(self_prompts.OPENINGS[cat])]
+        text = r["conversations"][0]["value"]
+        assert text.startswith(first) and len(text) > len(first) + 3, (first, text)
+    assert side["categories"]["writing_task"]["openings"] == list(self_prompts.OPENINGS["writing_task"])
+    assert "openings" not in side["categories"]["default"]
 
 
 def test_vllm_engine_gives_each_request_its_own_seed_and_the_same_file_again(cfg, tmp_path):
