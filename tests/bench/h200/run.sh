@@ -452,6 +452,10 @@ PY
     # memory at the start of training (session 30: the first batch waited 223.6 s, sessions 26-28 20-26 s; the
     # 71 GB of hidden states on /dev/shm share the machine's 128 GiB with the loader's workers)
     free -m | sed 's/^/[s8] /'; df -h /dev/shm | tail -1 | sed 's/^/[s8] shm /'
+    # what the machine does while the first batch waits (session 31: 203.8 s again, with the compile caches hitting
+    # as in session 30; sessions 26-28 ran cold and waited 20-26 s): processes and memory at +30, +90 and +150 s
+    ( for w in 30 60 60; do sleep $w; { echo "== $(date +%s)"; free -m; top -b -n 1 -w 180 | head -30; } \
+        >> "$LOGS/s8-train-watch.log" 2>&1; done ) &
     run8 train --set train.epochs=$EP > "$LOGS/s8-train-main.log" 2>&1 & pids=($!)
     for d in $(draft_names); do
       run8 train --set run.name=$d $(draft_sets $d) --set train.epochs=$EP > "$LOGS/s8-train-$d.log" 2>&1 & pids+=($!)
@@ -560,7 +564,9 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
       else echo "[s8] the compile caches ($size bytes) wait for the next call"; fi
     fi
     # speculators' own logs of each training (their last 200 kB: what a step or the loader waited on)
-    for r in $RUNS; do for f in runs/$r/train/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$LOGS/tail-$r-${f##*/}"; done; done
+    # (and their first 100 kB: how long the loader's workers took to start)
+    for r in $RUNS; do for f in runs/$r/train/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$LOGS/tail-$r-${f##*/}" \
+      && head -c 100000 "$f" > "$LOGS/head-$r-${f##*/}"; done; done
     tar czf "$OUT/s8-results.tgz" $(for r in $RUNS; do echo runs/$r/*/manifest.json runs/$r/train/metrics.jsonl \
       runs/$r/vocab/vocab.json; done) $(for f in data/prompts/self-prompts*.jsonl.gz*; do git ls-files --error-unmatch "$f" > /dev/null 2>&1 || echo "$f"; done) runs/s8-allturns/verify/*.json runs/s8-allturns/eval-speed*/*.json \
       .cache/h200-send/speed $SC_OUT/stream-check/verdict.txt $SC_OUT/stream-check/*.json* \
