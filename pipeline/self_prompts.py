@@ -8,7 +8,9 @@ the end-of-turn token. This is "Magpie" (Xu et al. 2024, arXiv:2406.08464): no p
 as many prompts as device time buys, all in the target's own training distribution. A share of the prompts is
 steered toward a kind of task by a system prompt used ONLY while the request is written (`CATEGORIES`); the
 conversation is stored without it, so prepare regenerates the answer under the target's default context, as
-MT-bench and a plain chat request see it.
+MT-bench and a plain chat request see it. Two categories (`writing_task`, `explain_task`; off unless `--shares`
+names them) also write the request's first words (`OPENINGS`: "Write a", "Explain", ...), which the target then
+continues: its own requests almost never open with a task verb, MT-bench's mostly do (NOTES "Session 31").
 
 Sampling: pure temperature, with one of two engines (`--engine`):
 - `hf` (the default; the lent H200 has no vLLM): transformers (hf_engine.generate, on the GPU when there is one),
@@ -236,7 +238,8 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
                                for c, o, g in zip(cats, openings, gens)], questions)
     write_records(records, out)
     per_cat = {name: {"share": round(share, 6), "asked": k, "kept": sum(r["set"] == name for r in records),
-                      "system_prompt_while_writing": s, **({"openings": list(OPENINGS[name])} if name in OPENINGS else {})}
+                      "system_prompt_while_writing": s,
+                      **({"openings": list(OPENINGS[name])} if name in OPENINGS else {})}
                for (name, _, s), share, k in zip(CATEGORIES, category_shares(shares), asked)}
     sidecar = {
         "output": repo_relative(out), "output_sha256": sha256_file(out), "conversations": len(records),
