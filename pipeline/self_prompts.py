@@ -226,11 +226,11 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
     cats, openings, prompts = [], [], []
     for (name, _, system), k in zip(CATEGORIES, asked):
         firsts = OPENINGS.get(name, ("",))
+        prefixes = [request_prefix(tok, system, first) for first in firsts]
         for i in range(k):
             cats.append(name)
             openings.append(firsts[i % len(firsts)])
-        prefixes = [request_prefix(tok, system, first) for first in firsts]
-        prompts += [prefixes[i % len(firsts)] for i in range(k)]
+            prompts.append(prefixes[i % len(firsts)])
     gens, made = write_requests(cfg, prompts, engine=engine, temperature=temperature,
                                 max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, progress=progress)
     special = set(tok.all_special_ids)
