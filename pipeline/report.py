@@ -120,7 +120,8 @@ def continued_from(init: dict | None) -> str:
 
 def epochs_text(epochs: int, scheduled: int | None = None) -> str:
     """'1 epoch', '3 epochs', '1 epoch of a 2-epoch schedule' (a run the device's deadline stopped)."""
-    return f"{epochs} epoch{'' if epochs == 1 else 's'}" + (f" of a {scheduled}-epoch schedule" if scheduled else "")
+    return f"{epochs} epoch{'' if epochs == 1 else 's'}" + (f" of a {scheduled}-epoch schedule"
+                                                            if scheduled and scheduled != epochs else "")
 
 
 def shipped_lines(cfg: Config) -> list[str]:

@@ -43,7 +43,8 @@ def default_out(cfg: Config) -> Path:
 
 def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     """A stand-in for the train manifest of a run whose training did not finish (the device time ran out
-    mid-schedule): the draft is its checkpoint after epoch `epoch` (0-based, the checkpoint folder's name). What
+    mid-schedule), or whose manifest never came back from the device (session 33: the last checkpoint was sent before
+    the train step wrote it): the draft is its checkpoint after epoch `epoch` (0-based, the checkpoint folder's name). What
     speculators logged (its arguments, the per-step profile, the validation rows) says how it was trained; the
     train section is the shipping config's, so --config/--set must name the run's own train settings."""
     path = run / "train" / "metrics.jsonl"
@@ -69,9 +70,8 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     if differ:
         raise StepError(f"{path}: the run was trained with other settings than {_rel(cfg.source_path)} says: "
                         f"{', '.join(differ)}; --set them, so results.json records the run's own")
-    if epoch + 1 >= (scheduled or 0):
-        raise StepError(f"{path}: epoch {epoch} is the schedule's last ({scheduled} epochs): a finished run has a "
-                        f"train manifest; --epoch is for one that stopped early")
+    if epoch + 1 > (scheduled or 0):
+        raise StepError(f"{path}: epoch {epoch} (0-based) is past the schedule's last ({scheduled} epochs)")
     from .train import init_hashes, train_throughput, val_summary  # train's own summary of the same rows
 
     # the drafter it started from, as train's fingerprint hashed it (the lineage started_from records); as the
@@ -79,7 +79,8 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     # nowhere: the run left no manifest)
     inputs = {"init_from": init_hashes(cfg)} if cfg.train.init_from else {}
     return {"config_sections": {"train": dataclasses.asdict(cfg.train)}, "inputs": inputs,
-            "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled, "finished": False,
+            "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled,
+                        "finished": epoch + 1 == scheduled and epoch < len(vals),
                         "eagle_aux_hidden_state_layer_ids": draft.get("target_layer_ids"),
                         "final_val": val_summary(vals[epoch]) if epoch < len(vals) else None,
                         "validated": epoch < len(vals), "train_tokens_per_s": train_throughput(rows)}}

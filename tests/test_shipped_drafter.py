@@ -183,7 +183,8 @@ def test_a_continued_drafter_records_the_drafter_it_started_from():
     from pipeline.report import epochs_text  # an unfinished schedule says so (session 30's: 1 epoch of 2)
 
     assert epochs_text(shipped["epochs"], shipped["recipe"]["train"].get("epochs_scheduled")) + " on " in line, line
-    assert (epochs_text(1), epochs_text(3), epochs_text(1, 2)) == ("1 epoch", "3 epochs", "1 epoch of a 2-epoch schedule")
+    assert (epochs_text(1), epochs_text(3), epochs_text(1, 2), epochs_text(2, 2)) == (
+        "1 epoch", "3 epochs", "1 epoch of a 2-epoch schedule", "2 epochs")
 
 
 def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
@@ -295,8 +296,8 @@ def test_ship_scores_each_sources_heldout_prompts_of_a_mix(work, monkeypatch):
 def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
     """A run whose device time ran out mid-schedule has no train manifest: `pipeline.ship --epoch N` reads how it
     was trained from speculators' own metrics.jsonl (the suite's real 8-epoch run, its manifest left out), and
-    refuses an epoch it never stepped, the schedule's last epoch, a finished run, and train settings other than
-    the run's; an epoch stepped but not validated (the run stopped during its validation) ships as unvalidated."""
+    refuses an epoch it never stepped, a finished run (one with a manifest), and train settings other than the
+    run's; the schedule's last epoch of a run whose manifest never came back ships as finished; an epoch stepped but not validated (the run stopped during its validation) ships as unvalidated."""
     import dataclasses
 
     from pipeline.manifest import StepError
@@ -341,8 +342,13 @@ def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
     (run / "train" / "metrics.jsonl").write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
     assert recipe(run, trained_run, 2)["train"]["epochs"] == 3
     (run / "train" / "metrics.jsonl").write_text(full)
-    with pytest.raises(StepError, match="the schedule's last"):
-        recipe(run, trained_run, 7)
+    # the schedule's last epoch, its manifest lost (session 33: the device sent the checkpoint before train wrote
+    # it): shipped as finished; past the schedule is refused
+    t = recipe(run, trained_run, 7)["train"]
+    assert (t["epochs"], t["epochs_scheduled"], t["finished"], t["validated"]) == (8, 8, True, True)
+    assert t["final_val"] == val_summary(vals[7])
+    with pytest.raises(StepError, match="no checkpoint after epoch 8"):
+        recipe(run, trained_run, 8)
     other = dataclasses.replace(trained_run, train=dataclasses.replace(trained_run.train, epochs=4))
     with pytest.raises(StepError, match=r"train.epochs \(run: 8, config: 4\)"):
         recipe(run, other, 2)
