@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widen", action="store_true", help="serve over the target's whole vocabulary, without an "
                     "lm_head (draft_transfer widen)")
     ap.add_argument("--epoch", type=int, help="the draft is the checkpoint after this epoch (0-based) of a run "
-                    "whose training did not finish (no train manifest; read from its metrics.jsonl)")
+                    "with no train manifest (its training did not finish, or the manifest never came back from "
+                    "the device; read from its metrics.jsonl)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     ap.add_argument("draft", type=Path, help="checkpoint or slim folder")
     a = ap.parse_args(argv)
