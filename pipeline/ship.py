@@ -43,10 +43,11 @@ def default_out(cfg: Config) -> Path:
 
 def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     """A stand-in for the train manifest of a run whose training did not finish (the device time ran out
-    mid-schedule), or whose manifest never came back from the device (session 33: the last checkpoint was sent before
-    the train step wrote it): the draft is its checkpoint after epoch `epoch` (0-based, the checkpoint folder's name). What
-    speculators logged (its arguments, the per-step profile, the validation rows) says how it was trained; the
-    train section is the shipping config's, so --config/--set must name the run's own train settings."""
+    mid-schedule), or whose manifest never came back from the device (session 33: the last checkpoint was sent
+    before the train step wrote it): the draft is its checkpoint after epoch `epoch` (0-based, the checkpoint
+    folder's name). What speculators logged (its arguments, the per-step profile, the validation rows) says how it
+    was trained; the train section is the shipping config's, so --config/--set must name the run's own train
+    settings."""
     path = run / "train" / "metrics.jsonl"
     if not path.exists():
         raise StepError(f"{run}/train: neither manifest.json nor metrics.jsonl; --run must be the run that trained the draft")
