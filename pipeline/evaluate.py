@@ -266,6 +266,13 @@ if __name__ == "__main__":
     o = Path(a.out)
     o.mkdir(parents=True, exist_ok=True)
     ds = {n: Path(p) for n, p in (d.split("=", 1) for d in a.drafts)}
-    for n, p in ds.items():
-        check_checkpoint(p, n)
+    try:
+        # the step CLI checks the model step's manifest; this one reads the target's folder directly, and on a
+        # fresh checkout that folder is not there yet (transformers would say only "Repo id must be ...")
+        if not (c.model_path / "config.json").exists():
+            raise StepError(f"the target {c.model_path} is missing; run `make model CONFIG={a.config}` first")
+        for n, p in ds.items():
+            check_checkpoint(p, n, "give the folder of a checkpoint or of a slim drafter")
+    except StepError as e:
+        sys.exit(f"[evaluate] error: {e}")
     print(markdown(evaluate_drafts(c, ds, o)))

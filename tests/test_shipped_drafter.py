@@ -134,6 +134,26 @@ def test_a_missing_drafter_folder_is_named(runs_dir):
         fingerprint(cfg, "eval")
 
 
+
+def test_evaluate_cli_names_a_missing_target_and_a_missing_drafter(work):
+    """`python -m pipeline.evaluate` (how NOTES serves drafts brought back from the device) on a fresh checkout:
+    the target's folder is not there until `make model`; say so instead of transformers' "Repo id must be ..."."""
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "pipeline.evaluate", "--config", "configs/smollm2-shipped.toml",
+                               "--out", str(work / "out"), *args], cwd=REPO, capture_output=True, text=True)
+
+    r = cli("--set", f"model.path={work / 'no-target'}", "d=data/drafters/smollm2-135m-instruct")
+    assert r.returncode != 0
+    assert "no-target is missing; run `make model CONFIG=configs/smollm2-shipped.toml` first" in r.stderr
+    assert "Traceback" not in r.stderr
+    (work / "t").mkdir()
+    (work / "t" / "config.json").write_text("{}")
+    r = cli("--set", f"model.path={work / 't'}", f"d={work / 'no-drafter'}")
+    assert r.returncode != 0 and "no-drafter is missing ['config.json', 'model.safetensors']" in r.stderr
+    assert not (work / "out" / "eval.json").exists()
+
 def _folder(path, al):
     path.mkdir(parents=True)
     (path / "model.safetensors").write_text(f"weights {al}")
