@@ -547,6 +547,16 @@ from pipeline.train import checkpoint_complete; sys.exit(not checkpoint_complete
       else echo "[s8] $name waits for the next call ($size bytes)"; fi
       rm -f .cache/slim-$name.tar
     done <<< "$(due)"
+    # a final draft goes as soon as its last checkpoint is complete (above), before that epoch's validation and
+    # before train writes its manifest (sessions 33 and 34 came back without it; `pipeline.ship --epoch` covers
+    # that): wait for the manifest here, within the budget, so s8-results.tgz below carries it
+    for r in $RUNS; do
+      final $r && [ ! -f runs/$r/train/manifest.json ] || continue
+      while [ ! -f runs/$r/train/manifest.json ] && [ "$(left)" -gt 30 ] && ! grep -q -E "rc=[1-9]" "$LOGS/s8-chain.log"; do
+        sleep 3; done
+      if [ -f runs/$r/train/manifest.json ]; then echo "[s8] $r: train's manifest written (sent below)"
+      else echo "[s8] $r: no train manifest yet; a later s8-wait sends it"; fi
+    done
     # the torch.compile caches, once the chain has ended: a later session carries them (.gpu/compile-cache.tgz.part.a?)
     # (at most 30 MB, in 10-MB pieces: a file over 16 MiB does not come back (session 28's 25-MB one was left out),
     # and a later call carries a piece beside a 19-MB model piece and the 36-MB tree; 5 MB kept for s8-results.tgz,
