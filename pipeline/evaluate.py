@@ -252,7 +252,7 @@ if __name__ == "__main__":
     import argparse
 
     from .__main__ import parse_set
-    from .config import load_config
+    from .config import ConfigError, load_config
     from .env import setup_env
 
     ap = argparse.ArgumentParser()
@@ -262,17 +262,19 @@ if __name__ == "__main__":
     ap.add_argument("drafts", nargs="+", metavar="NAME=CKPT_DIR")
     a = ap.parse_args()
     setup_env()
-    c = load_config(a.config, parse_set(a.set))
-    o = Path(a.out)
-    o.mkdir(parents=True, exist_ok=True)
+    if bad := [d for d in a.drafts if "=" not in d]:
+        ap.error(f"{bad[0]!r}: give each drafter as NAME=FOLDER")
     ds = {n: Path(p) for n, p in (d.split("=", 1) for d in a.drafts)}
     try:
+        c = load_config(a.config, parse_set(a.set))
         # the step CLI checks the model step's manifest; this one reads the target's folder directly, and on a
         # fresh checkout that folder is not there yet (transformers would say only "Repo id must be ...")
         if not (c.model_path / "config.json").exists():
             raise StepError(f"the target {c.model_path} is missing; run `make model CONFIG={a.config}` first")
         for n, p in ds.items():
             check_checkpoint(p, n, "give the folder of a checkpoint or of a slim drafter")
-    except StepError as e:
+    except (ConfigError, StepError) as e:
         sys.exit(f"[evaluate] error: {e}")
+    o = Path(a.out)
+    o.mkdir(parents=True, exist_ok=True)
     print(markdown(evaluate_drafts(c, ds, o)))

@@ -152,7 +152,11 @@ def test_evaluate_cli_names_a_missing_target_and_a_missing_drafter(work):
     (work / "t" / "config.json").write_text("{}")
     r = cli("--set", f"model.path={work / 't'}", f"d={work / 'no-drafter'}")
     assert r.returncode != 0 and "no-drafter is missing ['config.json', 'model.safetensors']" in r.stderr
-    assert not (work / "out" / "eval.json").exists()
+    r = cli("--set", "eval.no_such_key=1", "d=data/drafters/smollm2-135m-instruct")  # a config error: one line
+    assert r.returncode != 0 and "no_such_key" in r.stderr and "Traceback" not in r.stderr
+    r = cli("data/drafters/smollm2-135m-instruct")
+    assert r.returncode == 2 and "give each drafter as NAME=FOLDER" in r.stderr
+    assert not (work / "out").exists()
 
 def _folder(path, al):
     path.mkdir(parents=True)
