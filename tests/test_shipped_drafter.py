@@ -134,7 +134,6 @@ def test_a_missing_drafter_folder_is_named(runs_dir):
         fingerprint(cfg, "eval")
 
 
-
 def test_evaluate_cli_names_a_missing_target_and_a_missing_drafter(work):
     """`python -m pipeline.evaluate` (how NOTES serves drafts brought back from the device) on a fresh checkout:
     the target's folder is not there until `make model`; say so instead of transformers' "Repo id must be ..."."""
@@ -157,6 +156,7 @@ def test_evaluate_cli_names_a_missing_target_and_a_missing_drafter(work):
     r = cli("data/drafters/smollm2-135m-instruct")
     assert r.returncode == 2 and "give each drafter as NAME=FOLDER" in r.stderr
     assert not (work / "out").exists()
+
 
 def _folder(path, al):
     path.mkdir(parents=True)
