@@ -130,6 +130,47 @@ def test_hf_generation_stops_rows_at_eos(smollm2):
         assert g.text == tok.decode(g.token_ids, skip_special_tokens=True)
 
 
+def test_hf_generation_halves_a_batch_that_runs_out_of_memory(smollm2, capsys):
+    """A batch that runs out of GPU memory is retried at half the size and the rest goes on at that size, with
+    the same answers in prompt order; at a batch of one the error is raised (session 35: data.batch_size=2048
+    ran out of memory on an H100)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipeline.engines import hf_engine
+    from pipeline.engines.hf_engine import generate
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompts = []
+    for text in ("Say hello.", "Name a colour.", "Count to three.", "What is two plus two?", "Name a fruit."):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+        prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
+    real, sizes = hf_engine.generate_batch, []
+
+    def out_of_memory_above(limit):
+        def fake(model, batch, **kw):
+            sizes.append(len(batch))
+            if len(batch) > limit:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.59 GiB (simulated)")
+            return real(model, batch, **kw)
+        return fake
+
+    with _one_thread():
+        want = [g.token_ids for g in generate(smollm2, prompts, dtype="float32", batch_size=1, max_new_tokens=6,
+                                              progress=False)]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(hf_engine, "generate_batch", out_of_memory_above(2))
+            got = generate(smollm2, prompts, dtype="float32", batch_size=5, max_new_tokens=6, progress=False)
+            assert sizes == [5, 2, 2, 1]
+            assert [g.token_ids for g in got] == want
+            assert "a batch of 5 prompts ran out of GPU memory; going on at 2" in "".join(capsys.readouterr())
+            sizes.clear()
+            mp.setattr(hf_engine, "generate_batch", out_of_memory_above(0))
+            with pytest.raises(torch.OutOfMemoryError):
+                generate(smollm2, prompts, dtype="float32", batch_size=5, max_new_tokens=6, progress=False)
+            assert sizes == [5, 2, 1]
+
+
 def test_static_decode_only_for_models_whose_every_layer_sees_the_whole_context():
     """The StaticCache + 4-D mask path builds full causal masks: a sliding-window layer would silently attend too
     far. Such models (and remote code) must take transformers' own masks."""

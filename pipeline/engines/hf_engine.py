@@ -248,7 +248,10 @@ def generate(model_path, prompts: list[list[int]], *, dtype: str = "bfloat16", b
     pure temperature sampling (no top-k/top-p, as vLLM's SamplingParams(temperature=...)).
 
     Prompts are sorted by length (longest first, so a batch that does not fit fails at once) and
-    generated `batch_size` at a time with left padding; results come back in prompt order."""
+    generated `batch_size` at a time with left padding; results come back in prompt order. A batch that runs
+    out of GPU memory is retried at half the size, and the rest goes on at that size (session 35: the H200
+    config's 2,048 ran out of memory on an H100 answering MT-bench-style requests); at a batch of one the error
+    is raised."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -262,11 +265,25 @@ def generate(model_path, prompts: list[list[int]], *, dtype: str = "bfloat16", b
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results: list[Generation | None] = [None] * len(prompts)
+    size, start = max(batch_size, 1), 0
     with tqdm(total=len(prompts), unit="prompt", desc="generate (hf)", disable=not progress) as bar:
-        for s in range(0, len(order), max(batch_size, 1)):
-            idx = order[s: s + max(batch_size, 1)]
-            outs = generate_batch(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
-                                  temperature=temperature, stop=stop, gen=gen, pad_id=pad_id)
+        while start < len(order):
+            idx = order[start: start + size]
+            try:
+                outs = generate_batch(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                                      temperature=temperature, stop=stop, gen=gen, pad_id=pad_id)
+            except torch.OutOfMemoryError:
+                if len(idx) == 1:
+                    raise
+                outs = None  # retried below, outside the handler, so the failed batch's tensors can be freed
+            if outs is None:
+                size = max(len(idx) // 2, 1)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                tqdm.write(f"[generate] a batch of {len(idx)} prompts ran out of GPU memory; going on at {size} "
+                           f"(set data.batch_size={size} to start there)")
+                continue
+            start += len(idx)
             for i, (ids, reason) in zip(idx, outs):
                 results[i] = Generation(tok.decode(ids, skip_special_tokens=True), ids, reason)
             if on_batch is not None:  # lets the caller persist finished work (prepare resumes from it)
