@@ -7,6 +7,7 @@ import contextlib
 import copy
 import gzip
 import json
+import lzma
 import subprocess
 import sys
 
@@ -542,19 +543,25 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
 
     s = _seeded_prepare(runs_dir, "allturns-b", data, earlier)
     assert s["reused_from_interrupted_run"] == s["regenerated_turns"] == summary["regenerated_turns"]
-    # the answers-only form (data/seeds/: the target's answers without the prompts) seeds exactly as well
-    answers = runs_dir / "allturns-answers.jsonl.gz"
+    # the answers-only form (data/seeds/: the target's answers without the prompts, xz as the repository keeps it)
+    # seeds exactly as well
+    answers = runs_dir / "allturns-answers.jsonl.xz"
     subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
                     str(earlier), str(answers)], check=True, cwd=REPO)
     s = _seeded_prepare(runs_dir, "allturns-c", data, answers, same_as=earlier)
     assert s["reused_from_interrupted_run"] == summary["regenerated_turns"]
     # a session's new answers are merged into the seed by id (the seed is one of the inputs); a clash is refused
-    merged = runs_dir / "allturns-merged.jsonl.gz"
+    merged = runs_dir / "allturns-merged.jsonl.xz"
     subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
                     str(answers), str(earlier), str(merged)], check=True, cwd=REPO)
     assert merged.read_bytes() == answers.read_bytes()
+    # gzip, by OUT's name (the seed's form until session 36): the same text
+    as_gzip = runs_dir / "allturns-merged.jsonl.gz"
+    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
+                    str(answers), str(as_gzip)], check=True, cwd=REPO)
+    assert gzip.decompress(as_gzip.read_bytes()) == lzma.decompress(answers.read_bytes())
     other = runs_dir / "allturns-other.jsonl"
-    rec = json.loads(gzip.decompress(answers.read_bytes()).decode().splitlines()[0])
+    rec = json.loads(lzma.decompress(answers.read_bytes()).decode().splitlines()[0])
     other.write_text(json.dumps({"id": rec["id"], "answers": ["another answer"]}) + "\n")
     clash = subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
                             str(answers), str(other), str(merged)], cwd=REPO, capture_output=True, text=True)

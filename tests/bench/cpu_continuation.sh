@@ -5,7 +5,7 @@
 #   .venv/bin/python tests/bench/mtbench_by_category.py --out runs/bycat/NAME.json NAME=runs/NAME/train/checkpoint
 #
 # SOURCE's first 2,048 conversations in prepare's seeded order, answered by the target (greedy, vLLM on the CPU,
-# ~11 min; or seeded from SEED_ANSWERS, an answers-only file such as data/seeds/...-mix-answers.jsonl.gz), then
+# ~11 min; or seeded from SEED_ANSWERS, an answers-only file such as data/seeds/...-mix-answers.jsonl.xz), then
 # extract, verify, vocab, and one epoch over the first 1,024 training samples from data/drafters/smollm2-135m-instruct
 # at lr 2e-4. total_seq_len is 2048, not the recipe's 8192: a step of 8192 tokens over the 49,152-token vocabulary
 # needs more than 24 GB on the CPU (the kernel killed it). ~130 tokens/s on 2 cores: ~36 min for the epoch (NOTES "Session 32").

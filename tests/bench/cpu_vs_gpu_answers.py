@@ -3,7 +3,7 @@
     python3 tests/bench/cpu_vs_gpu_answers.py [--n 64] [--dtypes bfloat16,float32]
 
 Session 29 regenerated answers for the training mix on the CPU (no device lent), while every earlier answer in the
-seed (data/seeds/smollm2-135m-instruct-mix-answers.jsonl.gz) came from the H200. This takes the first N requests of
+seed (data/seeds/smollm2-135m-instruct-mix-answers.jsonl.xz) came from the H200. This takes the first N requests of
 data/prompts/self-prompts-2.jsonl.gz (their H200 answers are in the seed), answers them again with prepare's own
 engine and settings (vllm_offline, greedy, data.max_new_tokens 256, model.max_model_len 1040) in each dtype, and
 prints per dtype: answers identical to the H200's, and the tokens the two share from the start (a greedy decode
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import lzma
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from pipeline.env import setup_env  # noqa: E402
 from pipeline.prepare import load_tokenizer  # noqa: E402
 
 SOURCE = ROOT / "data/prompts/self-prompts-2.jsonl.gz"
-SEED = ROOT / "data/seeds/smollm2-135m-instruct-mix-answers.jsonl.gz"
+SEED = ROOT / "data/seeds/smollm2-135m-instruct-mix-answers.jsonl.xz"
 
 
 def main() -> int:
@@ -41,7 +42,7 @@ def main() -> int:
     cfg = load_config(ROOT / "configs/smollm2-quality.toml")
     tok = load_tokenizer(cfg)
     seed = {}
-    with gzip.open(SEED, "rt") as f:
+    with lzma.open(SEED, "rt") as f:
         for line in f:
             r = json.loads(line)
             if r["id"].startswith("self-prompts-2/"):

@@ -175,7 +175,8 @@ case $PHASE in
   stage)
     stash
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$LOGS/gpu.txt"
-    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
+    # (lzma: the seed in data/seeds/ is xz since session 36; datasets, which speculators trains through, imports it too)
+    python3 -c "import lzma, torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     df -h . /dev/shm | tail -2 ;;   # /dev/shm: a second volume for hidden states? (the disk holds ~14.4M tokens)
   stream-check)
     # Session 20: train.hidden_states = "stream" against the disk path on this GPU (bf16, spawned data-loader
@@ -389,7 +390,7 @@ PY
     # the answers that seed prepare (with S8_SET, the mix: data/seeds/, regenerated in session 13 and kept in the
     # repository, so the tree carries them: saves the 558-s regeneration; S8_SEED=FILE another seed, e.g. an earlier
     # run's conversations staged into data/packages/; seed_regen_cache.py refuses a seed made from other sources)
-    MIXSEED=$([ -n "${S8_SET:-}" ] && echo data/seeds/smollm2-135m-instruct-mix-answers.jsonl.gz)
+    MIXSEED=$([ -n "${S8_SET:-}" ] && echo data/seeds/smollm2-135m-instruct-mix-answers.jsonl.xz)
     SEED=${S8_SEED:-${MIXSEED:-data/packages/regenerated-allturns-conversations.jsonl.gz}}   # S8_SEED=none: no seed
     if [ -f $SEED ] && [ ! -f runs/s8-allturns/prepare/manifest.json ]; then
       python3 tests/bench/h200/seed_regen_cache.py --config $CONFIG --set "$AT" "${S8[@]}" $SEED

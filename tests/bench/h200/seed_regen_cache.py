@@ -1,13 +1,15 @@
 """Seed a run's `prepare` with the answers of an earlier regeneration, to save device time.
 
     python tests/bench/h200/seed_regen_cache.py --config C [--set k=v ...] CONVERSATIONS.jsonl[.gz]
-    python tests/bench/h200/seed_regen_cache.py --answers-only CONVERSATIONS.jsonl[.gz] [MORE ...] OUT.jsonl.gz
+    python tests/bench/h200/seed_regen_cache.py --answers-only CONVERSATIONS.jsonl[.gz|.xz] [MORE ...] OUT.jsonl.xz
 
 CONVERSATIONS is an earlier run's `prepare/conversations.jsonl` (same target, greedy; first-turn or all-turn
 regeneration, as data.regenerate says: all turns are seeded round by round, each with the earlier answers in context),
 or the answers-only form that `--answers-only` writes from one: `{"id", "answers": [...]}` per conversation, the
 target's answers without the prompts (so the repository can keep a seed without redistributing the prompt sets:
 data/seeds/). Seeding from that form takes the user turns from the config's own sources, by conversation id.
+Inputs are read as gzip, xz or plain text by their first bytes; OUT is written as xz when its name ends in .xz (the
+seed in data/seeds/ since session 36: half gzip's size, and every device call carries the tree), else as gzip.
 Run it after the `model` step: it writes prepare's resume cache (`regenerated.partial.jsonl`) and the folder's
 fingerprint, so the next `prepare` treats those answers as finished work of an interrupted run. Answers are keyed
 by the exact prompt token ids (a prompt that differs in any token is regenerated), and prepare's manifest counts
@@ -18,6 +20,7 @@ them (`reused_from_interrupted_run`). The earlier run kept only the text: token 
 import argparse
 import gzip
 import json
+import lzma
 import sys
 from pathlib import Path
 
@@ -46,10 +49,9 @@ def main(argv: list[str]) -> int:
     tok = load_tokenizer(cfg)
     out = cfg.step_dir("prepare")
     out.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open if is_gzip(args.conversations) else open
     rounds, prompts, answers = [], [], []
     by_id, unmatched = None, 0
-    with opener(args.conversations, "rt") as f:
+    with open_text(args.conversations) as f:
         for line in f:
             rec = json.loads(line)
             if "answers" in rec:  # answers-only: the user turns come from this config's sources
@@ -102,7 +104,7 @@ def check_sidecar(seed: Path, cfg) -> None:
     from pipeline.manifest import sha256_file
     from pipeline.prepare import source_tags
 
-    side = seed.with_name(seed.name.removesuffix(".gz").removesuffix(".jsonl") + ".json")
+    side = seed.with_name(seed.name.removesuffix(".gz").removesuffix(".xz").removesuffix(".jsonl") + ".json")
     if not side.exists():
         print(f"[seed] WARNING: no {side.name} beside {seed}: sources and settings not checked", file=sys.stderr)
         return
@@ -121,21 +123,27 @@ def check_sidecar(seed: Path, cfg) -> None:
                  + ". Run without it (S8_SEED=none) or rebuild the sources it names.")
 
 
-def is_gzip(path: Path) -> bool:
-    """By the bytes, not the name: the device returns files split as <name>.part.aa, .part.ab (join the pieces
-    first: `cat <name>.part.* > <name>`)."""
+def open_text(path: Path):
+    """gzip, xz or plain text, by the bytes, not the name: the device returns files split as <name>.part.aa,
+    .part.ab (join the pieces first: `cat <name>.part.* > <name>`)."""
     with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
+        head = f.read(6)
+    if head[:2] == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8")
+    if head == b"\xfd7zXZ\x00":
+        return lzma.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def answers_only(sources: list[Path], out: Path) -> int:
-    """CONVERSATIONS (or answers-only files) -> {"id", "answers"} per conversation (gzip, reproducible bytes), in the
-    order first met. Several inputs merge by id, so the seed in data/seeds/ can be one of them (it is read whole before
-    OUT is written): a session's new answers are added to it (name the seed first, so its order stays). The same id
-    with other answers is refused (greedy answers of the same prompts do not differ: something else changed)."""
+    """CONVERSATIONS (or answers-only files) -> {"id", "answers"} per conversation (xz or gzip by OUT's name,
+    reproducible bytes), in the order first met. Several inputs merge by id, so the seed in data/seeds/ can be one of
+    them (it is read whole before OUT is written): a session's new answers are added to it (name the seed first, so
+    its order stays). The same id with other answers is refused (greedy answers of the same prompts do not differ:
+    something else changed)."""
     merged: dict[str, list[str]] = {}
     for src in sources:
-        with (gzip.open if is_gzip(src) else open)(src, "rt") as f:
+        with open_text(src) as f:
             for line in f:
                 rec = json.loads(line)
                 answers = rec["answers"] if "answers" in rec else [m["content"] for m in rec["messages"]
@@ -144,7 +152,9 @@ def answers_only(sources: list[Path], out: Path) -> int:
                     sys.exit(f"[seed] {rec['id']}: {src} has other answers than an earlier input; not merged")
     lines = [json.dumps({"id": i, "answers": a}, ensure_ascii=False) for i, a in merged.items()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), compresslevel=9, mtime=0))
+    text = ("\n".join(lines) + "\n").encode("utf-8")
+    out.write_bytes(lzma.compress(text, preset=9 | lzma.PRESET_EXTREME) if out.name.endswith(".xz")
+                    else gzip.compress(text, compresslevel=9, mtime=0))
     print(f"[seed] {len(lines)} conversations' answers -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
     return 0
 
