@@ -477,6 +477,12 @@ def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
     assert s["reused_from_interrupted_run"] == s["regenerated_turns"] > 0
 
 
+def _seed_tool(*args, check=True) -> subprocess.CompletedProcess:
+    """tests/bench/h200/seed_regen_cache.py ARGS, as the device's chain runs it (its own process, from the repo)."""
+    return subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), *map(str, args)],
+                          check=check, cwd=REPO, capture_output=not check, text=True)
+
+
 def _seeded_prepare(runs_dir, name: str, data: dict, earlier, same_as=None) -> dict:
     """A fresh run seeded (tests/bench/h200/seed_regen_cache.py) with an earlier run's conversations (or their answers): its prepare
     must generate nothing and end with the same conversations. -> prepare's summary."""
@@ -488,8 +494,7 @@ def _seeded_prepare(runs_dir, name: str, data: dict, earlier, same_as=None) -> d
     path = write_config(runs_dir / f"{name}.toml", runs_dir, name, **{**SMALL, "data": data})
     second = load_config(path)
     steps.run(second, "model")
-    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--config", str(path),
-                    str(earlier)], check=True, cwd=REPO)
+    _seed_tool("--config", path, earlier)
 
     def must_not_generate(*a, **kw):
         raise AssertionError("a seeded answer was generated again")
@@ -546,28 +551,23 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
     # the answers-only form (data/seeds/: the target's answers without the prompts, xz as the repository keeps it)
     # seeds exactly as well
     answers = runs_dir / "allturns-answers.jsonl.xz"
-    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
-                    str(earlier), str(answers)], check=True, cwd=REPO)
+    _seed_tool("--answers-only", earlier, answers)
     s = _seeded_prepare(runs_dir, "allturns-c", data, answers, same_as=earlier)
     assert s["reused_from_interrupted_run"] == summary["regenerated_turns"]
     # a session's new answers are merged into the seed by id (the seed is one of the inputs); a clash is refused
     merged = runs_dir / "allturns-merged.jsonl.xz"
-    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
-                    str(answers), str(earlier), str(merged)], check=True, cwd=REPO)
+    _seed_tool("--answers-only", answers, earlier, merged)
     assert merged.read_bytes() == answers.read_bytes()
     # gzip, by OUT's name (the seed's form until session 36): the same text
     as_gzip = runs_dir / "allturns-merged.jsonl.gz"
-    subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
-                    str(answers), str(as_gzip)], check=True, cwd=REPO)
+    _seed_tool("--answers-only", answers, as_gzip)
     assert gzip.decompress(as_gzip.read_bytes()) == lzma.decompress(answers.read_bytes())
     other = runs_dir / "allturns-other.jsonl"
     rec = json.loads(lzma.decompress(answers.read_bytes()).decode().splitlines()[0])
     other.write_text(json.dumps({"id": rec["id"], "answers": ["another answer"]}) + "\n")
-    clash = subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--answers-only",
-                            str(answers), str(other), str(merged)], cwd=REPO, capture_output=True, text=True)
+    clash = _seed_tool("--answers-only", answers, other, merged, check=False)
     assert clash.returncode != 0 and rec["id"] in clash.stderr, clash.stderr
     # joined by id alone, so a seed whose .json names another file under the same source tag is refused
     (runs_dir / "allturns-answers.json").write_text(json.dumps({"sources": [{"tag": "multi-turn", "sha256": "0" * 64}]}))
-    bad = subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), "--config",
-                          str(runs_dir / "allturns-c.toml"), str(answers)], cwd=REPO, capture_output=True, text=True)
+    bad = _seed_tool("--config", runs_dir / "allturns-c.toml", answers, check=False)
     assert bad.returncode != 0 and "is not the file the answers were made from" in bad.stderr, bad.stderr

