@@ -420,7 +420,7 @@ PY
       [ $S8_STREAM = 1 ] && S8+=(--set 'train.hidden_states="stream"')
     fi
     if [ "${S8_STREAM:-0}" != 1 ]; then
-      run8 extract || exit 1
+      X0=$(date +%s); run8 extract || exit 1; XS=$(( $(date +%s) - X0 ))
       # verify.device = "cuda" in the config (session 25); a verify that fails there runs again on the CPU (as in
       # sessions 15-24) before the failed files are extracted again
       run8 verify || run8 verify --set 'verify.device="cpu"' || { run8 extract --redo-failed && run8 verify; } || exit 1
@@ -448,6 +448,15 @@ PY
     done
     # SPEED=0 skips the speed runs below (session 10: measured in session 9), so less time is kept back
     KEEP=$([ "${SPEED:-1}" = 1 ] && echo 300 || echo 150)
+    # This machine's speed, from extract (session 38): lent H100s differ. Training ran at 0.91-0.97x extract's tokens
+    # per wall second (its chain stamps) in sessions 34-38 (s38: 78.3k -> 71.6k, s37: 111.5k -> 106.7k, s35: 97.8k
+    # -> 93.9k, s34: 89.6k -> 86.8k), so RATE is capped at 0.9x that,
+    # and the first step's compile (104 s in s37, 172 s in s38) grows KEEP in the same proportion. Session 38's
+    # chain, fitted at a flat RATE, began a second epoch that the deadline cut (the schedule never finished).
+    if [ -n "${XS:-}" ] && [ "$XS" -gt 0 ] && [ "${RATE:-}" != auto ]; then
+      read -r RATE KEEP < <(python3 -c "r=int(0.9 * $TOK / $XS); g=${RATE:-70000}; print(min(g, r), int($KEEP * max(1.0, g / r)))")
+      echo "[s8] extract ran $(( TOK / XS )) tokens/s: RATE $RATE, KEEP $KEEP s"
+    fi
     EP=$(python3 -c "print(max(1, min(${EPOCHS:-8}, int(($DEADLINE - $(date +%s) - $KEEP) / ($TOK / ${RATE:-70000} + 25)))))")
     echo "[s8] tokens $TOK, epochs $EP (deadline in $(( DEADLINE - $(date +%s) )) s), drafts: s8-allturns $(draft_names)"
     # memory at the start of training (session 30: the first batch waited 223.6 s, sessions 26-28 20-26 s; the
