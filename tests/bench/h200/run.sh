@@ -453,10 +453,10 @@ PY
     KEEP=$([ "${SPEED:-1}" = 1 ] && echo 300 || echo 150)
     # This machine's speed, from extract (session 38): lent H100s differ. Training ran at 0.91-0.97x extract's tokens
     # per wall second (its chain stamps) in sessions 34-38 (s38: 78.3k -> 71.6k, s37: 111.5k -> 106.7k, s35: 97.8k
-    # -> 93.9k, s34: 89.6k -> 86.8k), so RATE is capped at 0.9x that,
-    # and the first step's compile (104 s in s37, 172 s in s38) grows KEEP in the same proportion. Session 38's
-    # chain, fitted at a flat RATE, began a second epoch that the deadline cut (the schedule never finished).
-    if [ -n "${XS:-}" ] && [ "$XS" -gt 0 ] && [ "${RATE:-}" != auto ]; then
+    # -> 93.9k, s34: 89.6k -> 86.8k), so RATE (given, or RATE=auto's figure above) is capped at 0.9x that, and the
+    # first step's compile (104 s in s37, 172 s in s38) grows KEEP in the same proportion. Session 38's chain,
+    # fitted at a flat RATE, began a second epoch that the deadline cut (the schedule never finished).
+    if [ -n "${XS:-}" ] && [ "$XS" -gt 0 ]; then
       read -r RATE KEEP < <(python3 -c "r=int(0.9 * $TOK / $XS); g=${RATE:-70000}; print(min(g, r), int($KEEP * max(1.0, g / r)))")
       echo "[s8] extract ran $(( TOK / XS )) tokens/s: RATE $RATE, KEEP $KEEP s"
     fi
