@@ -2,7 +2,7 @@
 drafter is better.
 
     python -m pipeline.ship --config configs/smollm2-quality.toml --run RUN_DIR DRAFT [--widen] [--out DIR] [--max-mb 25] [--force]
-                            [--epoch N]
+                            [--epoch N] [--average-with SHIPPED_DIR ...]
 
 DRAFT is a speculators checkpoint or a slim folder (`pipeline.draft_transfer slim`); RUN_DIR the run that trained
 it (its step manifests say how: data, vocabulary, training). The drafter is written in the form vLLM serves as
@@ -13,6 +13,12 @@ config's data, so the results file describes exactly the bytes beside it. The fo
 data/drafters/<target folder name, lower case>) is replaced only when the new MT-bench acceptance length is
 higher than the one in its results.json (--force replaces it anyway, e.g. after the eval protocol changed);
 otherwise the new drafter and its results stay in <out>.rejected/ and the command exits 3.
+
+--average-with SHIPPED_DIR (repeatable) ships the uniform weight average of DRAFT and those drafters
+(`draft_transfer average`; the start and the end of a continuation averaged have served higher than either). Each
+must be a shipped drafter, its results.json describing its bytes (data/drafters/<name>, the folder about to be
+replaced, or a ship's .rejected folder), so results.json's `average` names every drafter in the mean: its path,
+its files' sha256, a commit holding them and its own results (recipe, MT-bench AL); `recipe` stays DRAFT's run.
 
 results.json: recipe, data sources and counts, epochs, MT-bench and held-out acceptance (AL, per position,
 outputs identical to the greedy target), file sizes and hashes, the commit it was trained at and shipped from.
@@ -88,9 +94,9 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
                         "validated": epoch < len(vals), "train_tokens_per_s": train_throughput(rows)}}
 
 
-def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None) -> dict:
+def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None, shipped: list[Path] = ()) -> dict:
     """How the drafter was made, from its run's step manifests (with `epoch`, a run whose train step did not
-    finish: `unfinished_train`)."""
+    finish: `unfinished_train`); `shipped`: where else to find the drafter it started from (`started_from`)."""
     def manifest(step: str) -> dict:
         m = read_manifest(run / step)
         if not m:
@@ -130,31 +136,51 @@ def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None) -> di
                   "seconds": train.get("seconds"), "gpus": [g["name"] for g in (train.get("host") or {}).get("gpus", [])],
                   "packages": train.get("packages"), "patch_series_sha256": train.get("patch_series_sha256"),
                   "git": train.get("git"),
-                  **({"init_from": started_from(train)} if train["config_sections"]["train"].get("init_from") else {})},
+                  **({"init_from": started_from(train, shipped)} if train["config_sections"]["train"].get("init_from") else {})},
     }
 
 
-def started_from(train: dict) -> dict:
+def started_from(train: dict, also: list[Path] = ()) -> dict:
     """The drafter a warm-started run (train.init_from) continued, by its files' sha256 as the run hashed them, and,
     where that drafter is the one shipped at that path now (the usual case: a continuation of the shipped drafter,
     which this ship then replaces), its results.json: where it came from (`shipped_from`, a commit that has its
-    bytes), its MT-bench AL and its own recipe, so the chain of runs behind a continued drafter stays on record."""
+    bytes), its MT-bench AL and its own recipe, so the chain of runs behind a continued drafter stays on record.
+    `also`: shipped folders to look in when the path holds no results of those bytes (a run on the device that
+    started from a copy of a drafter shipped since, session 39)."""
     path = train["config_sections"]["train"]["init_from"]
     files = (train.get("inputs") or {}).get("init_from") or {}
     made = {"path": path, "files_sha256": files, **(train.get("summary", {}).get("init_from") or {})}
-    where = (REPO_ROOT / path).resolve()  # a relative path is the repository's, as train reads it (cfg.path)
+    for where in ((REPO_ROOT / path).resolve(), *also):  # a relative path is the repository's, as train reads it
+        found = shipped_record(where, files)
+        if found:
+            return {**made, **({"shipped_at": found["path"]} if found["path"] != path else {}),
+                    "committed_in": found["committed_in"], "results": found["results"]}
+    return {**made, "results": None}
+
+
+def shipped_record(folder: Path, files: dict[str, str] | None = None) -> dict | None:
+    """A shipped drafter's folder as results.json records it: its path, a commit holding its bytes, and its results
+    (where it came from, MT-bench AL, its own recipe). None when the folder has no results.json or holds other bytes
+    than `files` (sha256 by name; default: the folder's own files, checked against what its results.json says)."""
+    where = folder.resolve()
     results = where / RESULTS
     try:
         earlier = json.loads(results.read_text())
     except (OSError, ValueError):
-        return {**made, "results": None}
-    if not files or {f: e.get("sha256") for f, e in earlier.get("files", {}).items() if f in files} != files:
-        return {**made, "results": None}  # that folder holds other bytes now than the run started from
+        return None
+    said = {f: e.get("sha256") for f, e in earlier.get("files", {}).items()}
+    if files is None:
+        files = {f: sha256_file(where / f) for f in said if (where / f).is_file()}
+    if not files or {f: h for f, h in said.items() if f in files} != files:
+        return None  # that folder holds other bytes now than those asked for (or than its results.json says)
     folder = where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else None
-    return {**made, "committed_in": commit_holding(folder, list(files)) if folder else None, "results": {
-        "sha256": sha256_file(results), "shipped": earlier.get("shipped"), "shipped_from": earlier.get("shipped_from"),
-        "mtbench_acceptance_length": (earlier.get("eval") or {}).get("mtbench", {}).get("acceptance_length"),
-        "epochs": earlier.get("epochs"), "recipe": earlier.get("recipe")}}
+    return {"path": folder.as_posix() if folder else str(where), "files_sha256": files,
+            "committed_in": commit_holding(folder, list(files)) if folder else None, "results": {
+                "sha256": sha256_file(results), "shipped": earlier.get("shipped"),
+                "shipped_from": earlier.get("shipped_from"),
+                "mtbench_acceptance_length": (earlier.get("eval") or {}).get("mtbench", {}).get("acceptance_length"),
+                "epochs": earlier.get("epochs"), "recipe": earlier.get("recipe"),
+                **({"average": earlier["average"]} if earlier.get("average") else {})}}
 
 
 def commit_holding(folder: Path, names: list[str]) -> str | None:
@@ -226,14 +252,41 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
     return results
 
 
+def averaged(draft: Path, others: list[Path]) -> dict:
+    """What an averaged drafter is the mean of (results.json's `average`), checked before anything is written: DRAFT
+    by its files and its run's recipe (results.json's own), each other by its shipped record."""
+    records = []
+    for folder in others:
+        found = shipped_record(folder)
+        if found is None:
+            raise StepError(f"{folder}: no results.json that describes the bytes there; --average-with takes a "
+                            f"shipped drafter (data/drafters/<name>, or a ship's .rejected folder), so the average "
+                            f"can name what it is made of")
+        records.append(found)
+    files = {f.name: sha256_file(f) for f in sorted(draft.iterdir()) if f.is_file() and f.suffix in (".json", ".safetensors")}
+    return {"of": [{"path": _rel(draft), "files_sha256": files, "results": "this results.json's recipe"}, *records],
+            "how": "uniform mean of the served weights, in float32, saved in their own dtype (python -m "
+                   "pipeline.draft_transfer average); the vocabulary maps equal in all"}
+
+
 def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float = 25.0, force: bool = False,
-                 command: str = "", widen: bool = False, epoch: int | None = None) -> int:
+                 command: str = "", widen: bool = False, epoch: int | None = None,
+                 average_with: list[Path] = ()) -> int:
     require_target(cfg)
-    made = recipe(run, cfg, epoch)
+    made = recipe(run, cfg, epoch, [out])
     check_heldout_split(cfg, run)
+    mean = averaged(draft, list(average_with)) if average_with else None  # before `out` may be replaced
     staged = out.with_name(out.name + ".new")
     shutil.rmtree(staged, ignore_errors=True)
     serving_form(draft, staged, cfg)
+    if mean:
+        from .draft_transfer import average
+
+        try:
+            average(staged, [staged, *average_with])
+        except ValueError as e:
+            shutil.rmtree(staged)
+            raise StepError(str(e)) from None
     if widen:
         from .draft_transfer import widen as widen_vocab
 
@@ -261,7 +314,7 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
         "target": {"path": cfg.model.path, "source": cfg.model.source},
         "files": {f: {"bytes": (staged / f).stat().st_size, "sha256": sha256_file(staged / f)}
                   for f in ("config.json", "model.safetensors")},
-        "recipe": made, "epochs": made["train"]["epochs"],
+        "recipe": made, "epochs": made["train"]["epochs"], **({"average": mean} if mean else {}),
         "served_vocab": ({"draft_vocab_size": json.loads((staged / "config.json").read_text())["draft_vocab_size"],
                           "lm_head": "the target's (not in the file: vLLM shares it)",
                           "how": "pipeline.draft_transfer widen: trained with the recipe's vocab, served over all "
@@ -330,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epoch", type=int, help="the draft is the checkpoint after this epoch (0-based) of a run "
                     "with no train manifest (its training did not finish, or the manifest never came back from "
                     "the device; read from its metrics.jsonl)")
+    ap.add_argument("--average-with", action="append", default=[], type=Path, metavar="SHIPPED_DIR",
+                    help="ship the weight average of the draft and this shipped drafter (repeatable)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     ap.add_argument("draft", type=Path, help="checkpoint or slim folder")
     a = ap.parse_args(argv)
@@ -338,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         command = shlex.join(["python", "-m", "pipeline.ship", *(sys.argv[1:] if argv is None else argv)])
         return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force, command, a.widen,
-                            a.epoch)
+                            a.epoch, a.average_with)
     except StepError as e:
         print(f"[ship] error: {e}", file=sys.stderr)
         return 2

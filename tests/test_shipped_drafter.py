@@ -211,6 +211,60 @@ def test_a_continued_drafter_records_the_drafter_it_started_from():
         "1 epoch", "3 epochs", "1 epoch of a 2-epoch schedule", "2 epochs")
 
 
+
+def test_an_average_names_what_it_averages(work):
+    """pipeline.ship --average-with: the shipped form of the mean (bf16 kept, vocabulary maps equal or refused), and
+    results.json's record of each drafter in it: only a shipped drafter whose results describe its bytes is taken,
+    with a commit holding them; a run that started from a copy of it (the device's) finds it by its bytes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.draft_transfer import average
+    from pipeline.manifest import StepError
+    from pipeline.report import averaged_text
+    from pipeline.ship import averaged, started_from
+
+    def drafter(path, fc, d2t=(0, 1)):
+        path.mkdir()
+        save_file({"fc.weight": torch.tensor(fc, dtype=torch.bfloat16), "d2t": torch.tensor(d2t)},
+                  str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps({"name": path.name}))
+        return path
+
+    a, b = drafter(work / "a", [[1.0, 2.0]]), drafter(work / "b", [[3.0, 5.0]])
+    w = load_file(str(average(work / "mean", [a, b, drafter(work / "c", [[5.0, 8.0]])]) / "model.safetensors"))
+    assert w["fc.weight"].dtype == torch.bfloat16 and w["fc.weight"].tolist() == [[3.0, 5.0]]
+    assert w["d2t"].tolist() == [0, 1] and json.loads((work / "mean" / "config.json").read_text())["name"] == "a"
+    with pytest.raises(ValueError, match="d2t differs"):  # another draft vocabulary: no mean of it
+        average(work / "bad", [a, drafter(work / "v", [[0.0, 0.0]], d2t=(0, 2))])
+    with pytest.raises(ValueError, match="two drafters"):
+        average(work / "bad", [a])
+
+    with pytest.raises(StepError, match=f"{b}: no results.json"):  # no record of how b was made: refused
+        averaged(a, [b])
+    mean = averaged(a, [SHIPPED])
+    shipped = json.loads((SHIPPED / "results.json").read_text())
+    assert mean["of"][0]["files_sha256"]["model.safetensors"] == sha256_file(a / "model.safetensors")
+    rec = mean["of"][1]
+    assert rec["path"] == "data/drafters/smollm2-135m-instruct" and rec["results"]["recipe"] == shipped["recipe"]
+    assert rec["files_sha256"] == {f: e["sha256"] for f, e in shipped["files"].items()}
+    held = subprocess.run(["git", "show", f"{rec['committed_in']}:{rec['path']}/model.safetensors"], cwd=REPO,
+                          capture_output=True, check=True).stdout
+    assert hashlib.sha256(held).hexdigest() == rec["files_sha256"]["model.safetensors"]
+    assert f"git checkout {rec['committed_in'][:12]} -- {rec['path']}" in averaged_text(mean)
+    tampered = shutil.copytree(SHIPPED, work / "tampered")  # results.json no longer describes the bytes there
+    (tampered / "config.json").write_text("{}")
+    with pytest.raises(StepError, match="tampered"):
+        averaged(a, [tampered])
+
+    # a device run trained from a copy at another path: found among the shipped folders by the bytes it hashed
+    train = {"config_sections": {"train": {"init_from": ".cache/copy"}},
+             "inputs": {"init_from": rec["files_sha256"]}}
+    assert started_from(train)["results"] is None
+    found = started_from(train, [SHIPPED])
+    assert found["shipped_at"] == rec["path"] and found["results"]["recipe"] == shipped["recipe"]
+
+
 def test_prune_keeps_the_rows_of_a_smaller_vocabulary(work):
     """draft_transfer.prune: a drafter trained with a larger draft vocabulary, cut to a smaller one's tokens."""
     import torch
