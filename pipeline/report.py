@@ -122,10 +122,13 @@ def averaged_text(mean: dict | None) -> str:
     """", averaged with ..." for a shipped weight average (pipeline.ship --average-with)."""
     if not mean:
         return ""
-    others = [o for o in mean.get("of", [])[1:] if isinstance(o, dict)]
-    return ("; shipped as the weight average of it and " + ", ".join(
-        f"the drafter of MT-bench AL {(o.get('results') or {}).get('mtbench_acceptance_length')} (its files: `git "
-        f"checkout {(o.get('committed_in') or '?')[:12]} -- {o.get('path')}`)" for o in others))
+    of = [o for o in mean.get("of", []) if isinstance(o, dict)]
+    shipped = [o for o in of if isinstance(o.get("results"), dict)]
+    earlier = len(of) - len(shipped) - 1  # the run's earlier checkpoints (the last entry is the draft itself)
+    return ("; shipped as the weight average of it" + (f", {earlier} earlier checkpoint{'s' if earlier > 1 else ''} "
+                                                       f"of its run" if earlier > 0 else "")
+            + "".join(f" and the drafter of MT-bench AL {(o['results']).get('mtbench_acceptance_length')} (its files: "
+                      f"`git checkout {(o.get('committed_in') or '?')[:12]} -- {o.get('path')}`)" for o in shipped))
 
 
 def epochs_text(epochs: int, scheduled: int | None = None) -> str:

@@ -2,7 +2,7 @@
 drafter is better.
 
     python -m pipeline.ship --config configs/smollm2-quality.toml --run RUN_DIR DRAFT [--widen] [--out DIR] [--max-mb 25] [--force]
-                            [--epoch N] [--average-with SHIPPED_DIR ...]
+                            [--epoch N] [--average-with SHIPPED_DIR ...] [--average-epoch N DIR ...]
 
 DRAFT is a speculators checkpoint or a slim folder (`pipeline.draft_transfer slim`); RUN_DIR the run that trained
 it (its step manifests say how: data, vocabulary, training). The drafter is written in the form vLLM serves as
@@ -19,6 +19,9 @@ otherwise the new drafter and its results stay in <out>.rejected/ and the comman
 must be a shipped drafter, its results.json describing its bytes (data/drafters/<name>, the folder about to be
 replaced, or a ship's .rejected folder), so results.json's `average` names every drafter in the mean: its path,
 its files' sha256, a commit holding them and its own results (recipe, MT-bench AL); `recipe` stays DRAFT's run.
+--average-epoch N DIR (repeatable) adds an earlier checkpoint of the same run to the mean: DIR holds its
+checkpoint after epoch N (0-based; the run's metrics must have logged that epoch), recorded by path and sha256.
+The mean is taken in the order shipped drafters, earlier epochs, DRAFT (the start, the middle, the end).
 
 results.json: recipe, data sources and counts, epochs, MT-bench and held-out acceptance (AL, per position,
 outputs identical to the greedy target), file sizes and hashes, the commit it was trained at and shipped from.
@@ -252,41 +255,67 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
     return results
 
 
-def averaged(draft: Path, others: list[Path]) -> dict:
+def folder_hashes(draft: Path) -> dict[str, str]:
+    return {f.name: sha256_file(f) for f in sorted(draft.iterdir()) if f.is_file() and f.suffix in (".json", ".safetensors")}
+
+
+def averaged(draft: Path, others: list[Path], run: Path | None = None, epochs: list[tuple[int, Path]] = (),
+             last: int | None = None) -> dict:
     """What an averaged drafter is the mean of (results.json's `average`), checked before anything is written: DRAFT
-    by its files and its run's recipe (results.json's own), each other by its shipped record."""
-    records = []
+    by its files and its run's recipe (results.json's own), each shipped one by its shipped record, each earlier
+    checkpoint of the run (`epochs`: (0-based epoch, folder)) by its files, after the run's metrics show that epoch
+    trained and before DRAFT's (`last`: DRAFT's epoch count)."""
+    logged = set()
+    if epochs:
+        path = run / "train" / "metrics.jsonl"
+        try:
+            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        except OSError:
+            raise StepError(f"{path}: missing; --average-epoch takes checkpoints of the run --run names") from None
+        logged = {r.get("epoch") for r in rows if "train" in r}
+    earlier = []
+    for n, folder in epochs:
+        if n not in logged or (last is not None and n >= last - 1):
+            raise StepError(f"{folder}: --average-epoch {n} is not an earlier checkpoint of {run} (epochs with steps "
+                            f"in its metrics: {sorted(e for e in logged if e is not None)}; the draft ends epoch "
+                            f"{(last or 0) - 1}, 0-based)")
+        earlier.append({"path": _rel(folder), "files_sha256": folder_hashes(folder),
+                        "results": f"this results.json's recipe, its checkpoint after epoch {n + 1}"})
+    shipped = []
     for folder in others:
         found = shipped_record(folder)
         if found is None:
             raise StepError(f"{folder}: no results.json that describes the bytes there; --average-with takes a "
                             f"shipped drafter (data/drafters/<name>, or a ship's .rejected folder), so the average "
                             f"can name what it is made of")
-        records.append(found)
-    files = {f.name: sha256_file(f) for f in sorted(draft.iterdir()) if f.is_file() and f.suffix in (".json", ".safetensors")}
-    return {"of": [{"path": _rel(draft), "files_sha256": files, "results": "this results.json's recipe"}, *records],
-            "how": "uniform mean of the served weights, in float32, saved in their own dtype (python -m "
-                   "pipeline.draft_transfer average); the vocabulary maps equal in all"}
+        shipped.append(found)
+    return {"of": [*shipped, *earlier, {"path": _rel(draft), "files_sha256": folder_hashes(draft),
+                                        "results": "this results.json's recipe"}],
+            "how": "uniform mean of the served weights, in float32, summed in this order, saved in their own dtype "
+                   "(python -m pipeline.draft_transfer average); the vocabulary maps equal in all"}
 
 
 def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float = 25.0, force: bool = False,
                  command: str = "", widen: bool = False, epoch: int | None = None,
-                 average_with: list[Path] = ()) -> int:
+                 average_with: list[Path] = (), average_epochs: list[tuple[int, Path]] = ()) -> int:
     require_target(cfg)
     made = recipe(run, cfg, epoch, [out])
     check_heldout_split(cfg, run)
-    mean = averaged(draft, list(average_with)) if average_with else None  # before `out` may be replaced
+    mean = (averaged(draft, list(average_with), run, list(average_epochs), made["train"]["epochs"])
+            if average_with or average_epochs else None)  # before `out` may be replaced
     staged = out.with_name(out.name + ".new")
     shutil.rmtree(staged, ignore_errors=True)
     serving_form(draft, staged, cfg)
     if mean:
         from .draft_transfer import average
 
+        config = (staged / "config.json").read_text()  # the draft's, as serving_form wrote it
         try:
-            average(staged, [staged, *average_with])
+            average(staged, [*average_with, *(f for _, f in average_epochs), staged])  # the order `of` records
         except ValueError as e:
             shutil.rmtree(staged)
             raise StepError(str(e)) from None
+        (staged / "config.json").write_text(config)
     if widen:
         from .draft_transfer import widen as widen_vocab
 
@@ -385,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                     "the device; read from its metrics.jsonl)")
     ap.add_argument("--average-with", action="append", default=[], type=Path, metavar="SHIPPED_DIR",
                     help="ship the weight average of the draft and this shipped drafter (repeatable)")
+    ap.add_argument("--average-epoch", action="append", default=[], nargs=2, metavar=("N", "DIR"),
+                    help="also average in the run's checkpoint after epoch N (0-based), in DIR (repeatable)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     ap.add_argument("draft", type=Path, help="checkpoint or slim folder")
     a = ap.parse_args(argv)
@@ -393,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         command = shlex.join(["python", "-m", "pipeline.ship", *(sys.argv[1:] if argv is None else argv)])
         return ship_drafter(cfg, a.draft, a.run, a.out or default_out(cfg), a.max_mb, a.force, command, a.widen,
-                            a.epoch, a.average_with)
+                            a.epoch, a.average_with, [(int(n), Path(d)) for n, d in a.average_epoch])
     except StepError as e:
         print(f"[ship] error: {e}", file=sys.stderr)
         return 2

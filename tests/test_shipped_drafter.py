@@ -244,14 +244,25 @@ def test_an_average_names_what_it_averages(work):
         averaged(a, [b])
     mean = averaged(a, [SHIPPED])
     shipped = json.loads((SHIPPED / "results.json").read_text())
-    assert mean["of"][0]["files_sha256"]["model.safetensors"] == sha256_file(a / "model.safetensors")
-    rec = mean["of"][1]
+    assert mean["of"][-1]["files_sha256"]["model.safetensors"] == sha256_file(a / "model.safetensors")
+    rec = mean["of"][0]
     assert rec["path"] == "data/drafters/smollm2-135m-instruct" and rec["results"]["recipe"] == shipped["recipe"]
     assert rec["files_sha256"] == {f: e["sha256"] for f, e in shipped["files"].items()}
     held = subprocess.run(["git", "show", f"{rec['committed_in']}:{rec['path']}/model.safetensors"], cwd=REPO,
                           capture_output=True, check=True).stdout
     assert hashlib.sha256(held).hexdigest() == rec["files_sha256"]["model.safetensors"]
     assert f"git checkout {rec['committed_in'][:12]} -- {rec['path']}" in averaged_text(mean)
+    # an earlier checkpoint of the draft's own run: only an epoch its metrics logged, and before the draft's last
+    run = work / "run"
+    (run / "train").mkdir(parents=True)
+    (run / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"trainer": {"epochs": 3}}, {"epoch": 0, "train": {}}, {"epoch": 1, "train": {}}, {"epoch": 2, "train": {}})))
+    three = averaged(a, [SHIPPED], run, [(1, b)], last=3)
+    assert [o["path"] for o in three["of"]] == [rec["path"], *(str(p.relative_to(REPO)) for p in (b, a))]  # the order the mean is summed in
+    assert three["of"][1]["results"].endswith("after epoch 2") and "1 earlier checkpoint of its run" in averaged_text(three)
+    for bad in (2, 5):  # the draft's own epoch; one never trained
+        with pytest.raises(StepError, match=f"--average-epoch {bad} is not an earlier checkpoint"):
+            averaged(a, [], run, [(bad, b)], last=3)
     tampered = shutil.copytree(SHIPPED, work / "tampered")  # results.json no longer describes the bytes there
     (tampered / "config.json").write_text("{}")
     with pytest.raises(StepError, match="tampered"):
