@@ -120,7 +120,8 @@ def continued_from(init: dict | None) -> str:
 
 
 def averaged_text(mean: dict | None) -> str:
-    """", averaged with ..." for a shipped weight average (pipeline.ship --average-with)."""
+    """"; shipped as the weight average of it ..." for a shipped weight average (pipeline.ship --average-with,
+    --average-epoch)."""
     if not mean:
         return ""
     of = [o for o in mean.get("of", []) if isinstance(o, dict)]

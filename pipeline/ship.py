@@ -16,12 +16,13 @@ otherwise the new drafter and its results stay in <out>.rejected/ and the comman
 
 --average-with SHIPPED_DIR (repeatable) ships the uniform weight average of DRAFT and those drafters
 (`draft_transfer average`; the start and the end of a continuation averaged have served higher than either). Each
-must be a shipped drafter, its results.json describing its bytes (data/drafters/<name>, the folder about to be
-replaced, or a ship's .rejected folder), so results.json's `average` names every drafter in the mean: its path,
-its files' sha256, a commit holding them and its own results (recipe, MT-bench AL); `recipe` stays DRAFT's run.
---average-epoch N DIR (repeatable) adds an earlier checkpoint of the same run to the mean: DIR holds its
-checkpoint after epoch N (0-based; the run's metrics must have logged that epoch), recorded by path and sha256.
-The mean is taken in the order shipped drafters, earlier epochs, DRAFT (the start, the middle, the end).
+must be a shipped drafter, its results.json describing its bytes (usually data/drafters/<name>, the folder about to
+be replaced: committed, so a commit holds its bytes), so results.json's `average` names every drafter in the mean:
+its path, its files' sha256, a commit holding them and its own results (recipe, MT-bench AL); `recipe` stays
+DRAFT's run. --average-epoch N DIR (repeatable) adds an earlier checkpoint of the same run: DIR holds, by the
+caller's word, its checkpoint after epoch N (0-based; the run's metrics must have logged that epoch, before DRAFT's
+last), recorded by path and sha256. The mean is taken in the order shipped drafters, earlier epochs, DRAFT (the
+start, the middle, the end). Drafters of one form only: widened ones (no lm_head) average with widened ones.
 
 results.json: recipe, data sources and counts, epochs, MT-bench and held-out acceptance (AL, per position,
 outputs identical to the greedy target), file sizes and hashes, the commit it was trained at and shipped from.
@@ -172,8 +173,8 @@ def shipped_record(folder: Path, files: dict[str, str] | None = None) -> dict | 
     except (OSError, ValueError):
         return None
     said = {f: e.get("sha256") for f, e in earlier.get("files", {}).items()}
-    if files is None:
-        files = {f: sha256_file(where / f) for f in said if (where / f).is_file()}
+    if files is None:  # every file results.json lists, as it is now (a missing one: not these bytes)
+        files = {f: sha256_file(where / f) if (where / f).is_file() else None for f in said}
     if not files or {f: h for f, h in said.items() if f in files} != files:
         return None  # that folder holds other bytes now than those asked for (or than its results.json says)
     folder = where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else None
@@ -256,15 +257,23 @@ def evaluate(cfg: Config, folder: Path, work: Path) -> dict:
 
 
 def folder_hashes(draft: Path) -> dict[str, str]:
-    return {f.name: sha256_file(f) for f in sorted(draft.iterdir()) if f.is_file() and f.suffix in (".json", ".safetensors")}
+    """sha256 of a drafter's files, as train hashes train.init_from (so a later run's lineage matches them)."""
+    from .train import drafter_files
+
+    names, missing = drafter_files(draft)
+    if missing:
+        raise StepError(f"{draft} lacks {', '.join(missing)}: not a drafter folder (a slim folder, a checkpoint or a "
+                        f"shipped drafter)")
+    return {n: sha256_file(draft / n) for n in names}
 
 
 def averaged(draft: Path, others: list[Path], run: Path | None = None, epochs: list[tuple[int, Path]] = (),
-             last: int | None = None) -> dict:
+             last: int | None = None, out: Path | None = None) -> dict:
     """What an averaged drafter is the mean of (results.json's `average`), checked before anything is written: DRAFT
     by its files and its run's recipe (results.json's own), each shipped one by its shipped record, each earlier
     checkpoint of the run (`epochs`: (0-based epoch, folder)) by its files, after the run's metrics show that epoch
-    trained and before DRAFT's (`last`: DRAFT's epoch count)."""
+    trained and before DRAFT's (`last`: DRAFT's epoch count). A shipped one that this ship may replace or set aside
+    (`out`, `out`.rejected) must be committed: otherwise its bytes would be gone and the record name nothing."""
     logged = set()
     if epochs:
         path = run / "train" / "metrics.jsonl"
@@ -279,8 +288,9 @@ def averaged(draft: Path, others: list[Path], run: Path | None = None, epochs: l
             raise StepError(f"{folder}: --average-epoch {n} is not an earlier checkpoint of {run} (epochs with steps "
                             f"in its metrics: {sorted(e for e in logged if e is not None)}; the draft ends epoch "
                             f"{(last or 0) - 1}, 0-based)")
-        earlier.append({"path": _rel(folder), "files_sha256": folder_hashes(folder),
-                        "results": f"this results.json's recipe, its checkpoint after epoch {n + 1}"})
+        earlier.append({"path": _rel(folder), "files_sha256": folder_hashes(folder), "epoch": n,
+                        "results": f"this results.json's recipe, its checkpoint after epoch {n} (0-based: "
+                                   f"{n + 1} of {last or '?'} epochs)"})
     shipped = []
     for folder in others:
         found = shipped_record(folder)
@@ -288,6 +298,10 @@ def averaged(draft: Path, others: list[Path], run: Path | None = None, epochs: l
             raise StepError(f"{folder}: no results.json that describes the bytes there; --average-with takes a "
                             f"shipped drafter (data/drafters/<name>, or a ship's .rejected folder), so the average "
                             f"can name what it is made of")
+        if out is not None and found["committed_in"] is None and \
+                folder.resolve() in (out.resolve(), out.with_name(out.name + ".rejected").resolve()):
+            raise StepError(f"{folder}: its bytes are in no commit, and this ship replaces or sets aside that folder; "
+                            f"commit it first, or copy it outside {out.parent} and average the copy")
         shipped.append(found)
     return {"of": [*shipped, *earlier, {"path": _rel(draft), "files_sha256": folder_hashes(draft),
                                         "results": "this results.json's recipe"}],
@@ -301,7 +315,7 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
     require_target(cfg)
     made = recipe(run, cfg, epoch, [out])
     check_heldout_split(cfg, run)
-    mean = (averaged(draft, list(average_with), run, list(average_epochs), made["train"]["epochs"])
+    mean = (averaged(draft, list(average_with), run, list(average_epochs), made["train"]["epochs"], out)
             if average_with or average_epochs else None)  # before `out` may be replaced
     staged = out.with_name(out.name + ".new")
     shutil.rmtree(staged, ignore_errors=True)
@@ -312,9 +326,13 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
         config = (staged / "config.json").read_text()  # the draft's, as serving_form wrote it
         try:
             average(staged, [*average_with, *(f for _, f in average_epochs), staged])  # the order `of` records
-        except ValueError as e:
-            shutil.rmtree(staged)
-            raise StepError(str(e)) from None
+        except Exception as e:  # nothing half-made is left beside the shipped drafter
+            shutil.rmtree(staged, ignore_errors=True)
+            if not isinstance(e, ValueError):
+                raise
+            raise StepError(f"{draft} cannot be averaged with {[str(f) for f in average_with]} "
+                            f"{[str(f) for _, f in average_epochs]}: {e} (a widened drafter has no lm_head: average "
+                            f"widened ones only with widened ones)") from None
         (staged / "config.json").write_text(config)
     if widen:
         from .draft_transfer import widen as widen_vocab
@@ -419,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value")
     ap.add_argument("draft", type=Path, help="checkpoint or slim folder")
     a = ap.parse_args(argv)
+    if any(not n.isdigit() for n, _ in a.average_epoch):
+        ap.error(f"--average-epoch takes N DIR, N a 0-based epoch number: got {[n for n, _ in a.average_epoch]}")
     setup_env()
     cfg = load_config(a.config, parse_set(a.set))
     try:

@@ -202,14 +202,21 @@ def init_hashes(cfg: Config) -> dict[str, str]:
     return {f.name: sha256_file(f) for f in init_files(cfg)}
 
 
-def init_files(cfg: Config) -> list[Path]:
-    """The weight and config files of the drafter train.init_from names (what train's fingerprint hashes)."""
-    src = cfg.path(cfg.train.init_from)
+def drafter_files(src: Path) -> tuple[list[str], list[str]]:
+    """The weight and config files of a drafter folder (a slim folder: config.json, slim.json and the files it
+    lists; any other form: config.json and model.safetensors), and those of them missing. What names a drafter by
+    its bytes: train's fingerprint of train.init_from, and pipeline.ship's record of the drafters in a mean."""
     if (src / "slim.json").exists():
         names = ["config.json", "slim.json", *json.loads((src / "slim.json").read_text())["files"]]
     else:
         names = ["config.json", "model.safetensors"]
-    missing = [n for n in names if not (src / n).is_file()]
+    return names, [n for n in names if not (src / n).is_file()]
+
+
+def init_files(cfg: Config) -> list[Path]:
+    """The weight and config files of the drafter train.init_from names (what train's fingerprint hashes)."""
+    src = cfg.path(cfg.train.init_from)
+    names, missing = drafter_files(src)
     if missing:
         raise StepError(f"train.init_from = {cfg.train.init_from!r} in {cfg.source_path or 'the config'}: {src} lacks "
                         f"{', '.join(missing)}; point it at a drafter folder (a shipped drafter, a slim folder or a "

@@ -203,7 +203,7 @@ def test_a_continued_drafter_records_the_drafter_it_started_from():
 
     line = shipped_lines(load_config(REPO / "configs" / "smollm2-shipped.toml"))[0]
     init = shipped["recipe"]["train"].get("init_from")
-    assert ("continuing a drafter of" in line) == bool(init and init.get("results")), line
+    assert ("continuing a drafter" in line) == bool(init and init.get("results")), line
     from pipeline.report import epochs_text  # an unfinished schedule says so (session 30's: 1 epoch of 2)
 
     assert epochs_text(shipped["epochs"], shipped["recipe"]["train"].get("epochs_scheduled")) + " on " in line, line
@@ -259,7 +259,7 @@ def test_an_average_names_what_it_averages(work):
         {"trainer": {"epochs": 3}}, {"epoch": 0, "train": {}}, {"epoch": 1, "train": {}}, {"epoch": 2, "train": {}})))
     three = averaged(a, [SHIPPED], run, [(1, b)], last=3)
     assert [o["path"] for o in three["of"]] == [rec["path"], *(str(p.relative_to(REPO)) for p in (b, a))]  # the order the mean is summed in
-    assert three["of"][1]["results"].endswith("after epoch 2") and "1 earlier checkpoint of its run" in averaged_text(three)
+    assert three["of"][1]["epoch"] == 1 and "1 earlier checkpoint of its run" in averaged_text(three)
     for bad in (2, 5):  # the draft's own epoch; one never trained
         with pytest.raises(StepError, match=f"--average-epoch {bad} is not an earlier checkpoint"):
             averaged(a, [], run, [(bad, b)], last=3)
@@ -267,6 +267,17 @@ def test_an_average_names_what_it_averages(work):
     (tampered / "config.json").write_text("{}")
     with pytest.raises(StepError, match="tampered"):
         averaged(a, [tampered])
+    gone = shutil.copytree(SHIPPED, work / "gone")  # the weights deleted, config.json intact
+    (gone / "model.safetensors").unlink()
+    with pytest.raises(StepError, match="gone: no results.json that describes"):
+        averaged(a, [gone])
+    # the folder this ship replaces (or sets aside) with bytes no commit holds: they would be lost
+    uncommitted = shutil.copytree(SHIPPED, work / "d")
+    assert averaged(a, [uncommitted], out=work / "other")["of"][0]["committed_in"] is None  # kept: allowed
+    for out in (uncommitted, work / "d.rejected"):
+        shutil.copytree(SHIPPED, work / "d.rejected", dirs_exist_ok=True)
+        with pytest.raises(StepError, match="in no commit, and this ship replaces"):
+            averaged(a, [out], out=uncommitted)
 
     # a device run trained from a copy at another path: found among the shipped folders by the bytes it hashed
     train = {"config_sections": {"train": {"init_from": ".cache/copy"}},
