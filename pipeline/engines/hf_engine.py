@@ -175,13 +175,15 @@ class _DecodeGraph:
         lengths = [(layer, layer.cumulative_length.clone()) for layer in cache.layers]
         run = lambda: model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,  # noqa: E731
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        for layer, n in lengths:
-            layer.cumulative_length.copy_(n)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+        finally:  # the warm-up advanced the layers' lengths (or failed partway): back to this step's position
+            for layer, n in lengths:
+                layer.cumulative_length.copy_(n)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = run()
@@ -230,16 +232,23 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     ends = torch.full((b,), max_new_tokens, dtype=torch.long, device=dev)  # output length per row
     steps = 0
-    graphed = None
+    graphed, use_graph = None, cuda_graph and dev.type == "cuda"
     with _decode_attention(model):
         for step in range(max_new_tokens):
-            if step == 0 or not (cuda_graph and dev.type == "cuda"):
+            if step > 0 and use_graph and graphed is None:
+                try:
+                    graphed = _DecodeGraph(model, cache, ids, pos, mask)
+                except torch.OutOfMemoryError:
+                    raise
+                except (RuntimeError, AttributeError) as e:  # a model or transformers the capture fails on
+                    use_graph = False
+                    print(f"[generate] the CUDA graph of the decode step failed ({type(e).__name__}: "
+                          f"{str(e)[:200]}); this batch decodes eagerly", flush=True)
+            if step > 0 and use_graph:
+                logits = graphed(ids, pos, mask)
+            else:
                 logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                                use_cache=True, logits_to_keep=1).logits[:, -1]
-            else:
-                if graphed is None:
-                    graphed = _DecodeGraph(model, cache, ids, pos, mask)
-                logits = graphed(ids, pos, mask)
             nxt = _sample(logits, temperature, gen)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             out[:, step] = nxt
