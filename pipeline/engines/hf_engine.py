@@ -162,26 +162,35 @@ def _static_decode_ok(model) -> bool:
     return all(t == "full_attention" for t in types)
 
 
+_GRAPH_FAILED: list[str] = []  # why a capture failed in this process (then every batch decodes eagerly)
+
+
 class _DecodeGraph:
     """The one-token decode step of `generate_batch` as a CUDA graph over its StaticCache.
 
     The inputs (token ids, positions, the 4-D mask) are copied into static tensors and the captured forward is
     replayed; the cache's layers advance their own device-side lengths inside the graph, as they do eagerly. One
     eager warm-up runs the first decode step on a side stream (capture needs it), which writes that step's keys and
-    values where the first replay writes the same ones; the layers' lengths are put back after it."""
+    values where the first replay writes the same ones; the layers' lengths are put back after it. The warm-up
+    runs with torch's sync debug mode at "error", so a forward that waits on the GPU (`.item()`, a branch on a
+    tensor: dynamic RoPE, MoE routing) raises there, before a capture starts: a capture that fails midway leaves
+    torch's allocator unusable for the rest of the process."""
 
     def __init__(self, model, cache, ids, pos, mask):
         self.ids, self.pos, self.mask = ids.clone(), pos.clone(), mask.clone()
         lengths = [(layer, layer.cumulative_length.clone()) for layer in cache.layers]
         run = lambda: model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,  # noqa: E731
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        mode = torch.cuda.get_sync_debug_mode()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            torch.cuda.set_sync_debug_mode("error")
             with torch.cuda.stream(side):
                 run()
-            torch.cuda.current_stream().wait_stream(side)
         finally:  # the warm-up advanced the layers' lengths (or failed partway): back to this step's position
+            torch.cuda.set_sync_debug_mode(mode)
+            torch.cuda.current_stream().wait_stream(side)
             for layer, n in lengths:
                 layer.cumulative_length.copy_(n)
         self.graph = torch.cuda.CUDAGraph()
@@ -208,8 +217,11 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
     (`_static_decode_ok`) decodes with a DynamicCache and transformers' own masks from the 2-D padding mask.
 
     check_every: the steps between two looks at whether every row has stopped (each look waits for the GPU; rows
-    that stopped decode padding until then, which changes no output). cuda_graph: on CUDA, the one-token decode
-    step is captured once per batch as a CUDA graph and replayed (the prefill stays eager). Both cut the host's
+    that stopped decode padding until then, which changes no greedy output; when sampling, those extra steps draw
+    from the generator the batches share, so later batches sample other tokens than at check_every=1, from the
+    same distribution and reproducibly). cuda_graph: on CUDA, the one-token decode step is captured once per batch
+    as a CUDA graph and replayed (the prefill stays eager); after a capture fails, decoding stays eager for the
+    rest of the process (`_DecodeGraph`). Both cut the host's
     share of a step: on an H100, 1,024 prompts of width 128 decoded at 28.3 ms a step with neither and 10.6 ms
     with both, the same token ids (NOTES "Session 40"; tests/bench/regen_throughput.py --variants)."""
     from transformers import StaticCache
@@ -232,7 +244,7 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     ends = torch.full((b,), max_new_tokens, dtype=torch.long, device=dev)  # output length per row
     steps = 0
-    graphed, use_graph = None, cuda_graph and dev.type == "cuda"
+    graphed, use_graph = None, cuda_graph and dev.type == "cuda" and not _GRAPH_FAILED
     with _decode_attention(model):
         for step in range(max_new_tokens):
             if step > 0 and use_graph and graphed is None:
@@ -242,8 +254,9 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
                     raise
                 except (RuntimeError, AttributeError) as e:  # a model or transformers the capture fails on
                     use_graph = False
-                    print(f"[generate] the CUDA graph of the decode step failed ({type(e).__name__}: "
-                          f"{str(e)[:200]}); this batch decodes eagerly", flush=True)
+                    _GRAPH_FAILED.append(f"{type(e).__name__}: {str(e)[:200]}")
+                    print(f"[generate] the CUDA graph of the decode step failed ({_GRAPH_FAILED[0]}); decoding "
+                          f"eagerly from here on", flush=True)
             if step > 0 and use_graph:
                 logits = graphed(ids, pos, mask)
             else:
