@@ -329,6 +329,10 @@ PY
               $(grep -o 'data/[A-Za-z0-9_./-]*' <<< "${S8_SET:-${S8_DATA:-data/packages/sharegpt-user-turns.jsonl.gz}}"); do
               [ -f $f ] || { [ -n "${S8_SELF:-}" ] && [ $f = "${S8_SELF_OUT:-data/prompts/self-prompts.jsonl.gz}" ]; } || echo $f; done)
     [ -z "$missing" ] || { echo "[s8] not started: missing" $missing "(carry them from .gpu/ in a stage call)"; exit 1; }
+    # the launch-only files (travel.sh, session 41): from a light tree the chain would seed nothing (~45,000
+    # conversations to regenerate) and find no drafter to continue
+    missing=$(for f in $(bash tests/bench/h200/travel.sh list); do [ -f $f ] || echo $f; done)
+    [ -z "$missing" ] || { echo "[s8] not started: missing" $missing "(the tree came light: run 'bash tests/bench/h200/travel.sh full' here, then launch again)"; exit 1; }
     mkdir -p .cache/h200-send
     echo "$DEADLINE" > .cache/h200-send/deadline   # s8-wait reads it when DEADLINE is not given
     # S8_STREAM=auto (session 21): the stream-check runs detached beside the chain's data steps (they regenerate on

