@@ -3,8 +3,9 @@
 # the 60-MB tree (session 41) are two files only the launch call reads: the seed prepare starts from and the shipped
 # drafter training continues from. Staging calls send the tree without them ("light"): git's index forgets them
 # and .git/info/exclude ignores them (the files stay here; untracked files that are not ignored would travel), then
-# the index takes them back from HEAD and the exclusion goes ("full") before the launch call. Light, a staging call has room for a 46-MB model piece instead of 9.3 MB: the
-# model travels in 2 calls, not 10 (stage_inputs.sh sizes the pieces for the light tree). Checked on the device
+# the index takes them back from HEAD and the exclusion goes ("full") before the launch call. Light, a staging
+# call has room for a 46-MB model piece instead of 9.3 MB: the model travels in 2 calls, not 10 (stage_inputs.sh
+# sizes the pieces for the light tree). Checked on the device
 # in session 41: a file taken out of the index does not arrive there, and one carried once is gone in the next call
 # (so the launch call must carry the full tree: run.sh s8-launch refuses to start without these files).
 #   bash tests/bench/h200/travel.sh light    before the staging calls
