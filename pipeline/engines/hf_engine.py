@@ -16,6 +16,7 @@ extraction), run on CUDA when available and loop over tokens only as decode step
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from pathlib import Path
@@ -165,6 +166,12 @@ def _static_decode_ok(model) -> bool:
 _GRAPH_FAILED: list[str] = []  # why a capture failed in this process (then every batch decodes eagerly)
 
 
+def _next_logits(model, ids, mask, pos, cache):
+    """One forward of the decode loops (prefill or one token) -> the logits of each row's last position."""
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                 logits_to_keep=1).logits[:, -1]
+
+
 class _DecodeGraph:
     """The one-token decode step of `generate_batch` as a CUDA graph over its StaticCache.
 
@@ -179,8 +186,7 @@ class _DecodeGraph:
     def __init__(self, model, cache, ids, pos, mask):
         self.ids, self.pos, self.mask = ids.clone(), pos.clone(), mask.clone()
         lengths = [(layer, layer.cumulative_length.clone()) for layer in cache.layers]
-        run = lambda: model(input_ids=self.ids, attention_mask=self.mask, position_ids=self.pos,  # noqa: E731
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        run = functools.partial(_next_logits, model, self.ids, self.mask, self.pos, cache)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         mode = torch.cuda.get_sync_debug_mode()
@@ -260,8 +266,7 @@ def generate_batch(model, prompts: list[list[int]], *, max_new_tokens: int, temp
             if step > 0 and use_graph:
                 logits = graphed(ids, pos, mask)
             else:
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                               use_cache=True, logits_to_keep=1).logits[:, -1]
+                logits = _next_logits(model, ids, mask, pos, cache)
             nxt = _sample(logits, temperature, gen)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             out[:, step] = nxt
@@ -292,8 +297,7 @@ def _generate_batch_dynamic(model, prompts, *, max_new_tokens, temperature, stop
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     ends = torch.full((b,), max_new_tokens, dtype=torch.long, device=dev)
     for step in range(max_new_tokens):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = _next_logits(model, ids, mask, pos, cache)
         nxt = torch.where(done, torch.full_like(done, pad_id, dtype=torch.long), _sample(logits, temperature, gen))
         out.append(nxt)
         hit = torch.isin(nxt, stop_t) & ~done
