@@ -54,20 +54,56 @@ if ! command -v dockerd >/dev/null; then
 fi
 command -v "$DOCKER" >/dev/null || { echo "engine: no docker CLI after installing docker.io" >&2; exit 1; }
 
-if ! engine_up; then
+# Where dockerd keeps its state (daemon.json's data-root, else the default).
+DATA_ROOT=$(python3 -c 'import json; print(json.load(open("/etc/docker/daemon.json")).get("data-root", ""))' 2>/dev/null || true)
+NETWORK_STORE="${DATA_ROOT:-/var/lib/docker}/network/files/local-kv.db"
+
+# Start dockerd; 0 once `docker info` answers, 1 if dockerd exits or 60 s pass. Its log: $STATE/dockerd.log.
+start_dockerd() {
   if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
-    need_root "starting dockerd"
-    systemctl start docker
-    did+=("started dockerd with systemctl")
+    systemctl reset-failed docker 2>/dev/null || true  # a second try must not hit systemd's start limit
+    systemctl start docker || true
+    for _ in $(seq 60); do engine_up && return 0; sleep 1; done
+    journalctl -u docker --no-pager -n 400 >"$STATE/dockerd.log" 2>&1 || true
   else
-    need_root "starting dockerd"
     # no systemd (a container or CI sandbox): run dockerd in the background, detached from this shell
     setsid nohup dockerd >"$STATE/dockerd.log" 2>&1 < /dev/null &
-    echo $! > "$STATE/dockerd.pid"
-    did+=("started dockerd in the background (pid $(cat "$STATE/dockerd.pid"), log $STATE/dockerd.log)")
+    local pid=$!
+    echo "$pid" > "$STATE/dockerd.pid"
+    for _ in $(seq 60); do
+      engine_up && return 0
+      kill -0 "$pid" 2>/dev/null || break  # dockerd died: say why now, not after 60 s
+      sleep 1
+    done
   fi
-  for _ in $(seq 60); do engine_up && break; sleep 1; done
-  engine_up || { tail -n 30 "$STATE/dockerd.log" >&2 2>/dev/null; echo "engine: dockerd did not answer within 60 s" >&2; exit 1; }
+  engine_up
+}
+
+# A dockerd stopped mid-way through creating a network (killed, or its host stopped) can leave the network's
+# config in its store without its address pool; 20.10.23 and later then panic in libnetwork's reservePools at
+# every start (moby/moby#45057). The store holds networks only: the default ones are recreated at start and
+# compose recreates its project's, so it is moved aside (kept, not deleted) and dockerd started once more.
+network_store_broken() {
+  grep -q '^panic: ' "$STATE/dockerd.log" 2>/dev/null && grep -q 'libnetwork.*reservePools' "$STATE/dockerd.log"
+}
+
+if ! engine_up; then
+  need_root "starting dockerd"
+  how="with systemctl"; { command -v systemctl >/dev/null && [ -d /run/systemd/system ]; } || how="in the background"
+  if ! start_dockerd && network_store_broken && [ -f "$NETWORK_STORE" ]; then
+    aside="$NETWORK_STORE.broken-$(date -u +%Y%m%dT%H%M%SZ)"
+    mv "$NETWORK_STORE" "$aside"
+    echo "engine: dockerd panicked on its network store (moby/moby#45057: a network left half-created by an" \
+         "unclean stop); moved it aside to $aside and starting dockerd again" >&2
+    did+=("moved the broken network store aside ($aside)")
+    start_dockerd || true
+  fi
+  if ! engine_up; then
+    { grep -m1 -A8 '^panic: ' "$STATE/dockerd.log" || tail -n 30 "$STATE/dockerd.log"; } >&2 2>/dev/null || true
+    echo "engine: dockerd did not start (its log: $STATE/dockerd.log)" >&2
+    exit 1
+  fi
+  did+=("started dockerd $how$([ "$how" = "in the background" ] && echo " (pid $(cat "$STATE/dockerd.pid"), log $STATE/dockerd.log)")")
 fi
 
 if ! compose_up; then
