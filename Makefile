@@ -102,7 +102,7 @@ IMAGE_BUILD_ARGS := STACK VLLM_VERSION GPU_TORCH_VERSION SPECULATORS_VERSION SPE
 
 # make image's build command (base= and pinned= are set by the recipe)
 image_build = docker/build/host-files.sh $(FLAVOR) $(STACK_FILE) $(HOST_FILES_PORT) -- \
-	  env DOCKER_BUILDKIT=$(BUILDKIT) $(DOCKER) build --network host -f docker/Dockerfile -t $(IMAGE) \
+	  env DOCKER_BUILDKIT=$(BUILDKIT) $(DOCKER) build --network host $(if $(filter 0,$(BUILDKIT)),--force-rm) -f docker/Dockerfile -t $(IMAGE) \
 	  --build-arg BASE_IMAGE=$$base --build-arg BASE_PINNED=$$pinned --build-arg FLAVOR=$(FLAVOR) \
 	  $(foreach k,$(IMAGE_BUILD_ARGS),--build-arg $(k)='$(if $(and $(filter cpu,$(FLAVOR)),$(filter CUDA_VERSION GPU_ARCHS,$(k))),none,$(call stack_get,$(k),$(STACK)))') \
 	  --build-arg PATCH_EXCLUDE_TAG=$(if $(filter cpu,$(FLAVOR)),,cpu-only) --build-arg HOST_FILES_PORT=$(HOST_FILES_PORT) \

@@ -298,12 +298,15 @@ def test_a_drifted_patch_fails_the_build_naming_the_hunk(cpu_image, docker_runs)
     patch.write_text("".join(lines))
     tag = "eagle3-factory:test-drifted-patch"
     docker("rmi", "-f", tag)
+    containers = set(docker("ps", "-aq", "--no-trunc").stdout.split())
     proc = make("image", f"STACK={STACK}", "FLAVOR=cpu", f"IMAGE={tag}", cwd=copy, timeout=1800)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert patch.name in out and re.search(r"patch failed: speculators/\S+\.py:\d+", out), out[-3000:]
     assert "Using cache" in out.split("install-stack.sh")[1][:400], "the install layer should come from the cache"
     assert docker("image", "inspect", tag).returncode != 0
+    # the failed step's container is removed too (the classic builder keeps it without --force-rm)
+    assert set(docker("ps", "-aq", "--no-trunc").stdout.split()) == containers
 
 
 def test_a_drifted_base_is_refused_naming_the_packages(cpu_image, docker_runs):
