@@ -158,11 +158,12 @@ def ship(src: Path, out: Path) -> Path:
     return out
 
 
-def average(out: Path, drafts: list[Path]) -> Path:
+def average(out: Path, drafts: list[Path], config_from: Path | None = None) -> Path:
     """The mean of the drafters' served weights (`ship` form, any form `_served_weights` reads) -> OUT. Float
     tensors are averaged uniformly in float32 and saved in their own dtype; every other tensor (the vocabulary maps
     d2t/t2d) must be equal in all of them, or they are not averageable (another draft vocabulary). config.json is
-    the first drafter's. OUT may be one of the drafters (the new files are written after all are read)."""
+    CONFIG_FROM's (default: the first drafter's). OUT may be one of the drafters (the new files are written after
+    all are read)."""
     import torch
     from safetensors.torch import save_file
 
@@ -183,7 +184,7 @@ def average(out: Path, drafts: list[Path]) -> Path:
             mean[k] = v
         else:
             raise ValueError(f"{k} differs between {drafts} (another draft vocabulary?): not averageable")
-    config = (drafts[0] / "config.json").read_text()
+    config = ((config_from or drafts[0]) / "config.json").read_text()
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(config)
     save_file({k: v.contiguous() for k, v in mean.items()}, str(out / "model.safetensors"))

@@ -323,9 +323,8 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
     if mean:
         from .draft_transfer import average
 
-        config = (staged / "config.json").read_text()  # the draft's, as serving_form wrote it
-        try:
-            average(staged, [*average_with, *(f for _, f in average_epochs), staged])  # the order `of` records
+        try:  # the order `of` records; config.json stays the draft's, as serving_form wrote it
+            average(staged, [*average_with, *(f for _, f in average_epochs), staged], config_from=staged)
         except Exception as e:  # nothing half-made is left beside the shipped drafter
             shutil.rmtree(staged, ignore_errors=True)
             if not isinstance(e, ValueError):
@@ -333,7 +332,6 @@ def ship_drafter(cfg: Config, draft: Path, run: Path, out: Path, max_mb: float =
             raise StepError(f"{draft} cannot be averaged with {[str(f) for f in average_with]} "
                             f"{[str(f) for _, f in average_epochs]}: {e} (a widened drafter has no lm_head: average "
                             f"widened ones only with widened ones)") from None
-        (staged / "config.json").write_text(config)
     if widen:
         from .draft_transfer import widen as widen_vocab
 

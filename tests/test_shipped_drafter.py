@@ -235,6 +235,10 @@ def test_an_average_names_what_it_averages(work):
     w = load_file(str(average(work / "mean", [a, b, drafter(work / "c", [[5.0, 8.0]])]) / "model.safetensors"))
     assert w["fc.weight"].dtype == torch.bfloat16 and w["fc.weight"].tolist() == [[3.0, 5.0]]
     assert w["d2t"].tolist() == [0, 1] and json.loads((work / "mean" / "config.json").read_text())["name"] == "a"
+    b2 = shutil.copytree(b, work / "b2")  # ship's way: the mean written over the draft, keeping its config
+    average(b2, [a, b2], config_from=b2)
+    assert json.loads((b2 / "config.json").read_text())["name"] == "b"
+    assert load_file(str(b2 / "model.safetensors"))["fc.weight"].tolist() == [[2.0, 3.5]]
     with pytest.raises(ValueError, match="d2t differs"):  # another draft vocabulary: no mean of it
         average(work / "bad", [a, drafter(work / "v", [[0.0, 0.0]], d2t=(0, 2))])
     with pytest.raises(ValueError, match="two drafters"):
