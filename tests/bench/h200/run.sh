@@ -153,6 +153,11 @@ stash() {
   put() { cmp -s "$1" "$2/${1##*/}" || { cp "$1" "$2/.${1##*/}.new" && mv "$2/.${1##*/}.new" "$2/${1##*/}"; }; }
   for f in .gpu/smollm2.part.* .gpu/compile-cache.tgz.part.* .gpu/*.jsonl.gz .gpu/*.whl; do [ -f "$f" ] && put "$f" data/packages; done
   if [ -f .gpu/pypi-prompts.jsonl.gz ]; then mkdir -p data/prompts && put .gpu/pypi-prompts.jsonl.gz data/prompts; fi
+  # the launch-only files packed by travel.sh pack, for a launch sent light (S8_SEED and train.init_from name them)
+  if [ -d .gpu/launch-only ]; then
+    mkdir -p data/packages/launch-only/drafter
+    for f in .gpu/launch-only/* .gpu/launch-only/drafter/*; do [ -f "$f" ] && put "$f" "$(dirname "data/packages/${f#.gpu/}")"; done
+  fi
   # an earlier session's torch.compile caches (s8-wait sends them): the first training step compiled for 154 s
   # from cold caches in session 27, and ~13 s from warm ones (session 21)
   # (in pieces, .gpu/compile-cache.tgz.part.a?, carried by several calls: unpacked by the call that brings the last,
@@ -330,9 +335,12 @@ PY
               [ -f $f ] || { [ -n "${S8_SELF:-}" ] && [ $f = "${S8_SELF_OUT:-data/prompts/self-prompts.jsonl.gz}" ]; } || echo $f; done)
     [ -z "$missing" ] || { echo "[s8] not started: missing" $missing "(carry them from .gpu/ in a stage call)"; exit 1; }
     # the launch-only files (travel.sh, session 41): from a light tree the chain would seed nothing (~45,000
-    # conversations to regenerate) and find no drafter to continue
-    missing=$(for f in $(bash tests/bench/h200/travel.sh list); do [ -f $f ] || echo $f; done)
-    [ -z "$missing" ] || { echo "[s8] not started: missing" $missing "(the tree came light: run 'bash tests/bench/h200/travel.sh full' here, then launch again)"; exit 1; }
+    # conversations to regenerate) and find no drafter to continue. The files the chain will read: the mix's seed
+    # (or S8_SEED) and train.init_from's drafter; a light launch names the copies travel.sh pack staged (session 42)
+    INIT=$(grep -o 'train\.init_from=[^ ]*' <<< "${S8_EXTRA:-}" | tail -1 | cut -d= -f2)
+    missing=$(for f in $([ -n "${S8_SET:-}" ] && [ "${S8_SEED:-}" != none ] && echo "${S8_SEED:-data/seeds/smollm2-135m-instruct-mix-answers.jsonl.xz}") \
+              ${INIT:+$INIT/config.json $INIT/model.safetensors}; do [ -f $f ] || echo $f; done)
+    [ -z "$missing" ] || { echo "[s8] not started: missing" $missing "(a light tree: run 'bash tests/bench/h200/travel.sh full' here and launch again; or carry .gpu/launch-only (travel.sh pack) in a stage call and name its copies in S8_SEED and train.init_from)"; exit 1; }
     mkdir -p .cache/h200-send
     echo "$DEADLINE" > .cache/h200-send/deadline   # s8-wait reads it when DEADLINE is not given
     # S8_STREAM=auto (session 21): the stream-check runs detached beside the chain's data steps (they regenerate on
