@@ -52,6 +52,15 @@ def default_out(cfg: Config) -> Path:
     return REPO_ROOT / "data" / "drafters" / Path(cfg.model.path).name.lower()
 
 
+def train_metrics(run: Path) -> tuple[Path, list[dict] | None]:
+    """RUN's train/metrics.jsonl (speculators' records, mirrored by train) and its rows; None when it is missing."""
+    path = run / "train" / "metrics.jsonl"
+    try:
+        return path, [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except FileNotFoundError:
+        return path, None
+
+
 def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     """A stand-in for the train manifest of a run whose training did not finish (the device time ran out
     mid-schedule), or whose manifest never came back from the device (session 33: the last checkpoint was sent
@@ -59,10 +68,9 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     folder's name). What speculators logged (its arguments, the per-step profile, the validation rows) says how it
     was trained; the train section is the shipping config's, so --config/--set must name the run's own train
     settings."""
-    path = run / "train" / "metrics.jsonl"
-    if not path.exists():
+    path, rows = train_metrics(run)
+    if rows is None:
         raise StepError(f"{run}/train: neither manifest.json nor metrics.jsonl; --run must be the run that trained the draft")
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     args, vals = rows[0], [r["val"] for r in rows if "val" in r]
     # speculators saves an epoch's checkpoint before that epoch's validation: a run stopped during it (session 30's
     # deadline) has the checkpoint and the epoch's step rows, but no val row for it
@@ -276,11 +284,9 @@ def averaged(draft: Path, others: list[Path], run: Path | None = None, epochs: l
     (`out`, `out`.rejected) must be committed: otherwise its bytes would be gone and the record name nothing."""
     logged = set()
     if epochs:
-        path = run / "train" / "metrics.jsonl"
-        try:
-            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        except OSError:
-            raise StepError(f"{path}: missing; --average-epoch takes checkpoints of the run --run names") from None
+        path, rows = train_metrics(run)
+        if rows is None:
+            raise StepError(f"{path}: missing; --average-epoch takes checkpoints of the run --run names")
         logged = {r.get("epoch") for r in rows if "train" in r}
     earlier = []
     for n, folder in epochs:

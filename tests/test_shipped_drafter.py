@@ -267,6 +267,8 @@ def test_an_average_names_what_it_averages(work):
     for bad in (2, 5):  # the draft's own epoch; one never trained
         with pytest.raises(StepError, match=f"--average-epoch {bad} is not an earlier checkpoint"):
             averaged(a, [], run, [(bad, b)], last=3)
+    with pytest.raises(StepError, match="metrics.jsonl: missing; --average-epoch takes checkpoints"):
+        averaged(a, [], work / "no-such-run", [(1, b)], last=3)
     tampered = shutil.copytree(SHIPPED, work / "tampered")  # results.json no longer describes the bytes there
     (tampered / "config.json").write_text("{}")
     with pytest.raises(StepError, match="tampered"):
