@@ -25,10 +25,10 @@ tree() { git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 
 case ${1:-status} in
   list) printf '%s\n' "${LAUNCH_ONLY[@]}"; exit 0 ;;
   pack) PACK=.gpu/launch-only; seed=${LAUNCH_ONLY[0]}; drafter=${LAUNCH_ONLY[1]%/*}
-        for f in "${LAUNCH_ONLY[@]}"; do   # HEAD's bytes, as the full tree would send them
-          git diff --quiet HEAD -- "$f" 2>/dev/null && [ -f "$f" ] \
+        for f in "$seed" "${seed%.jsonl.xz}.json" "$drafter/config.json" "$drafter/model.safetensors"; do
+          git show "HEAD:$f" 2>/dev/null | cmp -s - "$f" \
             || { echo "travel: $f is missing or differs from HEAD: commit it first" >&2; exit 1; }
-        done
+        done   # (HEAD's bytes, as the full tree would send them; light or full here)
         rm -rf $PACK && mkdir -p $PACK/drafter
         cp "$seed" "${seed%.jsonl.xz}.json" $PACK/ && cp "$drafter/config.json" "$drafter/model.safetensors" $PACK/drafter/
         echo "travel: $(du -cb $PACK/* $PACK/drafter/* | tail -1 | cut -f1) bytes in $PACK: carry it in a staging call, then" \
