@@ -58,9 +58,11 @@ command -v "$DOCKER" >/dev/null || { echo "engine: no docker CLI after installin
 DATA_ROOT=$(python3 -c 'import json; print(json.load(open("/etc/docker/daemon.json")).get("data-root", ""))' 2>/dev/null || true)
 NETWORK_STORE="${DATA_ROOT:-/var/lib/docker}/network/files/local-kv.db"
 
+has_systemd() { command -v systemctl >/dev/null && [ -d /run/systemd/system ]; }
+
 # Start dockerd; 0 once `docker info` answers, 1 if dockerd exits or 60 s pass. Its log: $STATE/dockerd.log.
 start_dockerd() {
-  if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+  if has_systemd; then
     systemctl reset-failed docker 2>/dev/null || true  # a second try must not hit systemd's start limit
     systemctl start docker || true
     for _ in $(seq 60); do engine_up && return 0; sleep 1; done
@@ -89,7 +91,7 @@ network_store_broken() {
 
 if ! engine_up; then
   need_root "starting dockerd"
-  how="with systemctl"; { command -v systemctl >/dev/null && [ -d /run/systemd/system ]; } || how="in the background"
+  how="with systemctl"; has_systemd || how="in the background"
   if ! start_dockerd && network_store_broken && [ -f "$NETWORK_STORE" ]; then
     aside="$NETWORK_STORE.broken-$(date -u +%Y%m%dT%H%M%SZ)"
     mv "$NETWORK_STORE" "$aside"

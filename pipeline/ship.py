@@ -52,15 +52,6 @@ def default_out(cfg: Config) -> Path:
     return REPO_ROOT / "data" / "drafters" / Path(cfg.model.path).name.lower()
 
 
-def train_metrics(run: Path) -> tuple[Path, list[dict] | None]:
-    """RUN's train/metrics.jsonl (speculators' records, mirrored by train) and its rows; None when it is missing."""
-    path = run / "train" / "metrics.jsonl"
-    try:
-        return path, [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    except FileNotFoundError:
-        return path, None
-
-
 def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     """A stand-in for the train manifest of a run whose training did not finish (the device time ran out
     mid-schedule), or whose manifest never came back from the device (session 33: the last checkpoint was sent
@@ -68,7 +59,9 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     folder's name). What speculators logged (its arguments, the per-step profile, the validation rows) says how it
     was trained; the train section is the shipping config's, so --config/--set must name the run's own train
     settings."""
-    path, rows = train_metrics(run)
+    from .train import init_hashes, read_metrics, train_throughput, val_summary  # train's own readers of the same rows
+
+    path, rows = run / "train" / "metrics.jsonl", read_metrics(run / "train")
     if rows is None:
         raise StepError(f"{run}/train: neither manifest.json nor metrics.jsonl; --run must be the run that trained the draft")
     args, vals = rows[0], [r["val"] for r in rows if "val" in r]
@@ -92,8 +85,6 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
                         f"{', '.join(differ)}; --set them, so results.json records the run's own")
     if epoch + 1 > (scheduled or 0):
         raise StepError(f"{path}: epoch {epoch} (0-based) is past the schedule's last ({scheduled} epochs)")
-    from .train import init_hashes, train_throughput, val_summary  # train's own summary of the same rows
-
     # the drafter it started from, as train's fingerprint hashed it (the lineage started_from records); as the
     # shipping config names it, so --set train.init_from must name the run's own (checked against train's .fingerprint
     # nowhere: the run left no manifest)
@@ -284,9 +275,11 @@ def averaged(draft: Path, others: list[Path], run: Path | None = None, epochs: l
     (`out`, `out`.rejected) must be committed: otherwise its bytes would be gone and the record name nothing."""
     logged = set()
     if epochs:
-        path, rows = train_metrics(run)
+        from .train import read_metrics
+
+        rows = read_metrics(run / "train")
         if rows is None:
-            raise StepError(f"{path}: missing; --average-epoch takes checkpoints of the run --run names")
+            raise StepError(f"{run / 'train' / 'metrics.jsonl'}: missing; --average-epoch takes checkpoints of the run --run names")
         logged = {r.get("epoch") for r in rows if "train" in r}
     earlier = []
     for n, folder in epochs:

@@ -172,7 +172,7 @@ def run(cfg: Config, out: Path) -> dict:
     link.symlink_to(final.relative_to(out))
     check = check_draft_checkpoint(final, aux, cfg.vocab.draft_vocab_size, vocab_dir)
     check_frozen_weights(final, cfg.model_path, vocab_dir)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
+    rows = read_metrics(out) or []
     plot_curves(rows, out / "curves.png")
     val = [r for r in rows if "val" in r]
     summary = {
@@ -426,6 +426,14 @@ def check_draft_checkpoint(path: Path, aux_ids: list[int], draft_vocab: int, voc
         if vocab_dir is not None and not np.array_equal(d2t, np.load(vocab_dir / "d2t.npy")):
             raise StepError(f"{weights}: d2t differs from the vocab step's {vocab_dir / 'd2t.npy'}")
     return {"aux_ids": got}
+
+
+def read_metrics(train_dir: Path) -> list[dict] | None:
+    """TRAIN_DIR/metrics.jsonl's rows (speculators' records, mirrored by train); None when it is missing."""
+    try:
+        return [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    except FileNotFoundError:
+        return None
 
 
 def val_summary(val: dict) -> dict:
