@@ -24,6 +24,10 @@ caller's word, its checkpoint after epoch N (0-based; the run's metrics must hav
 last), recorded by path and sha256. The mean is taken in the order shipped drafters, earlier epochs, DRAFT (the
 start, the middle, the end). Drafters of one form only: widened ones (no lm_head) average with widened ones.
 
+--epoch N: DRAFT is, by the caller's word, the run's checkpoint after epoch N (0-based), not its end: an earlier one
+of a finished run (results.json then says "N+1 epochs of an M-epoch schedule", its validation that epoch's), or one
+of a run whose train step left no manifest (`unfinished_train`).
+
 results.json: recipe, data sources and counts, epochs, MT-bench and held-out acceptance (AL, per position,
 outputs identical to the greedy target), file sizes and hashes, the commit it was trained at and shipped from.
 """
@@ -97,9 +101,31 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
                         "validated": epoch < len(vals), "train_tokens_per_s": train_throughput(rows)}}
 
 
+def earlier_checkpoint(train: dict, run: Path, epoch: int) -> dict:
+    """The train manifest of a finished run, made to describe its checkpoint after an earlier epoch (0-based; session
+    43: the mean of the start and epoch 2 of 3 led MT-bench): the settings, inputs and stack stay the run's; the epoch
+    count and the validation are that checkpoint's, from the run's metrics.jsonl; the run's seconds are dropped (they
+    are the whole schedule's)."""
+    from .train import read_metrics, val_summary
+
+    last = train["summary"].get("epochs") or 0
+    if epoch == last - 1:
+        raise StepError(f"{run}/train finished (it has a manifest) and epoch {epoch} is its last checkpoint: ship it "
+                        f"without --epoch")
+    if not 0 <= epoch < last:
+        raise StepError(f"{run}/train finished {last} epochs: there is no checkpoint after epoch {epoch} (0-based) of it")
+    vals = [r["val"] for r in read_metrics(run / "train") or () if "val" in r]
+    if epoch >= len(vals):
+        raise StepError(f"{run}/train/metrics.jsonl: no validation row for epoch {epoch}; --run must be the run that "
+                        f"trained the draft, with its metrics.jsonl")
+    return {**train, "seconds": None, "summary": {**train["summary"], "epochs": epoch + 1, "epochs_scheduled": last,
+                                                  "finished": False, "validated": True,
+                                                  "final_val": val_summary(vals[epoch])}}
+
+
 def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None, shipped: list[Path] = ()) -> dict:
-    """How the drafter was made, from its run's step manifests (with `epoch`, a run whose train step did not
-    finish: `unfinished_train`); `shipped`: where else to find the drafter it started from (`started_from`)."""
+    """How the drafter was made, from its run's step manifests (with `epoch`, the checkpoint after that epoch:
+    `earlier_checkpoint` of a finished run, `unfinished_train` of one whose train step did not finish); `shipped`: where else to find the drafter it started from (`started_from`)."""
     def manifest(step: str) -> dict:
         m = read_manifest(run / step)
         if not m:
@@ -109,8 +135,8 @@ def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None, shipp
     prep, vocab = manifest("prepare"), manifest("vocab")
     if epoch is None:
         train = manifest("train")
-    elif read_manifest(run / "train"):
-        raise StepError(f"{run}/train finished (it has a manifest): ship its last checkpoint without --epoch")
+    elif finished := read_manifest(run / "train"):
+        train = earlier_checkpoint(finished, run, epoch)
     else:
         train = unfinished_train(run, cfg, epoch)
     ps, ts = prep["summary"], train["summary"]
@@ -424,9 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="replace the shipped drafter even if not better")
     ap.add_argument("--widen", action="store_true", help="serve over the target's whole vocabulary, without an "
                     "lm_head (draft_transfer widen)")
-    ap.add_argument("--epoch", type=int, help="the draft is the checkpoint after this epoch (0-based) of a run "
-                    "with no train manifest (its training did not finish, or the manifest never came back from "
-                    "the device; read from its metrics.jsonl)")
+    ap.add_argument("--epoch", type=int, help="the draft is the checkpoint after this epoch (0-based) of the run: "
+                    "an earlier one of a finished run, or any of a run with no train manifest (its training did not "
+                    "finish, or the manifest never came back from the device); read from its metrics.jsonl")
     ap.add_argument("--average-with", action="append", default=[], type=Path, metavar="SHIPPED_DIR",
                     help="ship the weight average of the draft and this shipped drafter (repeatable)")
     ap.add_argument("--average-epoch", action="append", default=[], nargs=2, metavar=("N", "DIR"),

@@ -402,9 +402,10 @@ def test_ship_scores_each_sources_heldout_prompts_of_a_mix(work, monkeypatch):
 def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
     """A run whose device time ran out mid-schedule has no train manifest: `pipeline.ship --epoch N` reads how it
     was trained from speculators' own metrics.jsonl (the suite's real 8-epoch run, its manifest left out), and
-    refuses an epoch it never stepped, a finished run (one with a manifest), and train settings other than the
-    run's; the schedule's last epoch of a run whose manifest never came back ships as finished; an epoch stepped
-    but not validated (the run stopped during its validation) ships as unvalidated."""
+    refuses an epoch it never stepped and train settings other than the run's; the schedule's last epoch of a run
+    whose manifest never came back ships as finished; an epoch stepped but not validated (the run stopped during
+    its validation) ships as unvalidated. An earlier checkpoint of a finished run (one with a manifest) ships from
+    that manifest with its own epoch count and validation."""
     import dataclasses
 
     from pipeline.manifest import StepError
@@ -458,6 +459,17 @@ def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
     with pytest.raises(StepError, match=r"train.epochs \(run: 8, config: 4\)"):
         recipe(run, other, 2)
     shutil.copy(src / "train" / "manifest.json", run / "train")
-    with pytest.raises(StepError, match="without --epoch"):
-        recipe(run, trained_run, 2)
     assert recipe(run)["train"]["epochs"] == 8 and "finished" not in recipe(run)["train"]
+    # a finished run's earlier checkpoint (session 43: the mean of the start and epoch 2 of 3 led MT-bench): its own
+    # settings and stack from its manifest, that epoch's count and validation from its metrics; its last checkpoint
+    # ships without --epoch, and one past it does not exist
+    whole, t = recipe(run)["train"], recipe(run, trained_run, 2)["train"]
+    assert (t["epochs"], t["epochs_scheduled"], t["finished"], t["validated"]) == (3, 8, False, True)
+    assert t["final_val"] == val_summary(vals[2]) != whole["final_val"] and t["seconds"] is None and whole["seconds"] > 0
+    assert {k: v for k, v in t.items() if k not in ("epochs", "epochs_scheduled", "finished", "validated",
+                                                     "final_val", "seconds")} == \
+        {k: v for k, v in whole.items() if k not in ("epochs", "final_val", "seconds")}
+    with pytest.raises(StepError, match="epoch 7 is its last checkpoint: ship it without --epoch"):
+        recipe(run, trained_run, 7)
+    with pytest.raises(StepError, match="no checkpoint after epoch 8"):
+        recipe(run, trained_run, 8)
