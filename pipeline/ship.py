@@ -204,12 +204,34 @@ def shipped_record(folder: Path, files: dict[str, str] | None = None) -> dict | 
         return None  # that folder holds other bytes now than those asked for (or than its results.json says)
     folder = where.relative_to(REPO_ROOT) if where.is_relative_to(REPO_ROOT) else None
     return {"path": folder.as_posix() if folder else str(where), "files_sha256": files,
-            "committed_in": commit_holding(folder, list(files)) if folder else None, "results": {
+            "committed_in": commit_holding(folder, list(files)) if folder else None, "results": one_level({
                 "sha256": sha256_file(results), "shipped": earlier.get("shipped"),
                 "shipped_from": earlier.get("shipped_from"),
                 "mtbench_acceptance_length": (earlier.get("eval") or {}).get("mtbench", {}).get("acceptance_length"),
                 "epochs": earlier.get("epochs"), "recipe": earlier.get("recipe"),
-                **({"average": earlier["average"]} if earlier.get("average") else {})}}
+                **({"average": earlier["average"]} if earlier.get("average") else {})})}
+
+
+LINK = ("sha256", "shipped", "shipped_from", "mtbench_acceptance_length", "epochs")
+
+
+def one_level(record: dict) -> dict:
+    """An earlier drafter's results as `shipped_record` embeds them, its own recipe and mean kept whole, but the
+    drafters those name in turn (its recipe's `init_from`, the members of its mean) kept as links: their files'
+    sha256, the commit holding them, and their results.json's sha256, date, commit, MT-bench AL and epochs (`git
+    show <committed_in>:<path>/results.json` has the rest). Embedded whole, the chain doubled with every
+    continuation, the start appearing both as `init_from` and in the mean: 1.6 MB to 3.6 MB in session 43."""
+    def link(ref):
+        r = ref.get("results") if isinstance(ref, dict) else None
+        return {**ref, "results": {k: r.get(k) for k in LINK}} if isinstance(r, dict) else ref
+
+    record = copy.deepcopy(record)
+    train = (record.get("recipe") or {}).get("train") or {}
+    if train.get("init_from"):
+        train["init_from"] = link(train["init_from"])
+    if record.get("average"):
+        record["average"]["of"] = [link(o) for o in record["average"].get("of", [])]
+    return record
 
 
 def commit_holding(folder: Path, names: list[str]) -> str | None:
