@@ -56,6 +56,13 @@ def default_out(cfg: Config) -> Path:
     return REPO_ROOT / "data" / "drafters" / Path(cfg.model.path).name.lower()
 
 
+def val_rows(rows: list[dict]) -> dict[int, dict]:
+    """speculators' validation rows in metrics.jsonl by their own epoch number, not by position: a train step
+    resumed after a stop during an epoch's validation (its checkpoint saved first) appends the later epochs' rows
+    with that epoch's missing, so the n-th row can be epoch n+1's."""
+    return {r["epoch"]: r["val"] for r in rows if isinstance(r.get("val"), dict) and isinstance(r.get("epoch"), int)}
+
+
 def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     """A stand-in for the train manifest of a run whose training did not finish (the device time ran out
     mid-schedule), or whose manifest never came back from the device (session 33: the last checkpoint was sent
@@ -68,12 +75,12 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     path, rows = run / "train" / "metrics.jsonl", read_metrics(run / "train")
     if rows is None:
         raise StepError(f"{run}/train: neither manifest.json nor metrics.jsonl; --run must be the run that trained the draft")
-    args, vals = rows[0], [r["val"] for r in rows if "val" in r]
+    args, vals = rows[0], val_rows(rows)
     # speculators saves an epoch's checkpoint before that epoch's validation: a run stopped during it (session 30's
     # deadline) has the checkpoint and the epoch's step rows, but no val row for it
     stepped = any(r.get("epoch") == epoch and "train" in r for r in rows)
-    if not (0 <= epoch < len(vals) or (epoch == len(vals) and stepped)):
-        raise StepError(f"{path}: {len(vals)} epochs validated and no steps logged for epoch {epoch}, so there is "
+    if not (epoch >= 0 and (epoch in vals or stepped)):
+        raise StepError(f"{path}: epochs validated {sorted(vals)} and no steps logged for epoch {epoch}, so there is "
                         f"no checkpoint after epoch {epoch} (0-based) of it")
     scheduled = args.get("trainer", {}).get("epochs")
     draft = args.get("draft", {})
@@ -95,10 +102,10 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     inputs = {"init_from": init_hashes(cfg)} if cfg.train.init_from else {}
     return {"config_sections": {"train": dataclasses.asdict(cfg.train)}, "inputs": inputs,
             "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled,
-                        "finished": epoch + 1 == scheduled and epoch < len(vals),
+                        "finished": epoch + 1 == scheduled and epoch in vals,
                         "eagle_aux_hidden_state_layer_ids": draft.get("target_layer_ids"),
-                        "final_val": val_summary(vals[epoch]) if epoch < len(vals) else None,
-                        "validated": epoch < len(vals), "train_tokens_per_s": train_throughput(rows)}}
+                        "final_val": val_summary(vals[epoch]) if epoch in vals else None,
+                        "validated": epoch in vals, "train_tokens_per_s": train_throughput(rows)}}
 
 
 def earlier_checkpoint(train: dict, run: Path, epoch: int) -> dict:
@@ -114,8 +121,8 @@ def earlier_checkpoint(train: dict, run: Path, epoch: int) -> dict:
                         f"without --epoch")
     if not 0 <= epoch < last:
         raise StepError(f"{run}/train finished {last} epochs: there is no checkpoint after epoch {epoch} (0-based) of it")
-    vals = [r["val"] for r in read_metrics(run / "train") or () if "val" in r]
-    if epoch >= len(vals):
+    vals = val_rows(read_metrics(run / "train") or [])
+    if epoch not in vals:
         raise StepError(f"{run}/train/metrics.jsonl: no validation row for epoch {epoch}; --run must be the run that "
                         f"trained the draft, with its metrics.jsonl")
     return {**train, "seconds": None, "summary": {**train["summary"], "epochs": epoch + 1, "epochs_scheduled": last,
@@ -229,8 +236,8 @@ def one_level(record: dict) -> dict:
     train = (record.get("recipe") or {}).get("train") or {}
     if train.get("init_from"):
         train["init_from"] = link(train["init_from"])
-    if record.get("average"):
-        record["average"]["of"] = [link(o) for o in record["average"].get("of", [])]
+    if isinstance(record.get("average"), dict) and record["average"].get("of"):
+        record["average"]["of"] = [link(o) for o in record["average"]["of"]]
     return record
 
 

@@ -192,6 +192,7 @@ def test_a_continued_drafter_records_the_drafter_it_started_from():
     assert made["files_sha256"] == files
     assert made["results"]["mtbench_acceptance_length"] == shipped["eval"]["mtbench"]["acceptance_length"]
     assert made["results"]["recipe"] == one_level({"recipe": shipped["recipe"]})["recipe"]
+    assert made["results"].get("average") == one_level({"average": shipped.get("average")}).get("average")
     # the drafters the earlier one names in turn are links, not copies: results.json stays the same size a session
     # (embedded whole, the start came twice, as init_from and in the mean, and the file doubled: 1.6 -> 3.6 MB)
     def named(r):  # the drafters a results record names: the one it continued, those in its mean
@@ -452,6 +453,12 @@ def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
     assert (t["epochs"], t["final_val"], t["validated"], t["finished"]) == (4, None, False, False)
     with pytest.raises(StepError, match="no checkpoint after epoch 4"):
         recipe(run, trained_run, 4)
+    # resumed after that stop: epoch 3 never gets its val row and the later epochs' rows follow; each epoch's
+    # validation is found by its number, not its place (the 6th row is epoch 6's)
+    resumed = "".join(x for i, x in enumerate(lines) if i != cut)
+    (run / "train" / "metrics.jsonl").write_text(resumed)
+    assert recipe(run, trained_run, 5)["train"]["final_val"] == val_summary(vals[5])
+    assert recipe(run, trained_run, 3)["train"]["validated"] is False
     (run / "train" / "metrics.jsonl").write_text(full)
 
     # a continued run (train.init_from): speculators logs its unused --num-layers default, not the layers trained
@@ -481,5 +488,10 @@ def test_ship_records_a_checkpoint_of_an_unfinished_run(trained_run, work):
         {k: v for k, v in whole.items() if k not in ("epochs", "final_val", "seconds")}
     with pytest.raises(StepError, match="epoch 7 is its last checkpoint: ship it without --epoch"):
         recipe(run, trained_run, 7)
+    (run / "train" / "metrics.jsonl").write_text(resumed)
+    assert recipe(run, trained_run, 5)["train"]["final_val"] == val_summary(vals[5])
+    with pytest.raises(StepError, match="no validation row for epoch 3"):
+        recipe(run, trained_run, 3)
+    (run / "train" / "metrics.jsonl").write_text(full)
     with pytest.raises(StepError, match="no checkpoint after epoch 8"):
         recipe(run, trained_run, 8)
