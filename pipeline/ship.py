@@ -132,7 +132,8 @@ def earlier_checkpoint(train: dict, run: Path, epoch: int) -> dict:
 
 def recipe(run: Path, cfg: Config | None = None, epoch: int | None = None, shipped: list[Path] = ()) -> dict:
     """How the drafter was made, from its run's step manifests (with `epoch`, the checkpoint after that epoch:
-    `earlier_checkpoint` of a finished run, `unfinished_train` of one whose train step did not finish); `shipped`: where else to find the drafter it started from (`started_from`)."""
+    `earlier_checkpoint` of a finished run, `unfinished_train` of one whose train step did not finish); `shipped`:
+    where else to find the drafter it started from (`started_from`)."""
     def manifest(step: str) -> dict:
         m = read_manifest(run / step)
         if not m:
