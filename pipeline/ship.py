@@ -56,13 +56,6 @@ def default_out(cfg: Config) -> Path:
     return REPO_ROOT / "data" / "drafters" / Path(cfg.model.path).name.lower()
 
 
-def val_rows(rows: list[dict]) -> dict[int, dict]:
-    """speculators' validation rows in metrics.jsonl by their own epoch number, not by position: a train step
-    resumed after a stop during an epoch's validation (its checkpoint saved first) appends the later epochs' rows
-    with that epoch's missing, so the n-th row can be epoch n+1's."""
-    return {r["epoch"]: r["val"] for r in rows if isinstance(r.get("val"), dict) and isinstance(r.get("epoch"), int)}
-
-
 def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     """A stand-in for the train manifest of a run whose training did not finish (the device time ran out
     mid-schedule), or whose manifest never came back from the device (session 33: the last checkpoint was sent
@@ -70,7 +63,7 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     folder's name). What speculators logged (its arguments, the per-step profile, the validation rows) says how it
     was trained; the train section is the shipping config's, so --config/--set must name the run's own train
     settings."""
-    from .train import init_hashes, read_metrics, train_throughput, val_summary  # train's own readers of the same rows
+    from .train import init_hashes, read_metrics, train_throughput, val_rows, val_summary  # train's own readers of the same rows
 
     path, rows = run / "train" / "metrics.jsonl", read_metrics(run / "train")
     if rows is None:
@@ -113,7 +106,7 @@ def earlier_checkpoint(train: dict, run: Path, epoch: int) -> dict:
     43: the mean of the start and epoch 2 of 3 led MT-bench): the settings, inputs and stack stay the run's; the epoch
     count and the validation are that checkpoint's, from the run's metrics.jsonl; the run's seconds are dropped (they
     are the whole schedule's)."""
-    from .train import read_metrics, val_summary
+    from .train import read_metrics, val_rows, val_summary
 
     last = train["summary"].get("epochs") or 0
     if epoch == last - 1:

@@ -436,6 +436,13 @@ def read_metrics(train_dir: Path) -> list[dict] | None:
         return None
 
 
+def val_rows(rows: list[dict]) -> dict[int, dict]:
+    """speculators' validation rows in metrics.jsonl by their own epoch number, not by position: a train step
+    resumed after a stop during an epoch's validation (its checkpoint saved first) appends the later epochs' rows
+    with that epoch's missing, so the n-th row can be epoch n+1's."""
+    return {r["epoch"]: r["val"] for r in rows if isinstance(r.get("val"), dict) and isinstance(r.get("epoch"), int)}
+
+
 def val_summary(val: dict) -> dict:
     """One epoch's validation row of speculators' metrics.jsonl as train's summary records it."""
     return {k: round(v, 4) for k, v in val.items() if isinstance(v, (int, float))}
