@@ -174,7 +174,6 @@ def run(cfg: Config, out: Path) -> dict:
     check_frozen_weights(final, cfg.model_path, vocab_dir)
     rows = read_metrics(out) or []
     plot_curves(rows, out / "curves.png")
-    val = [r for r in rows if "val" in r]
     summary = {
         "checkpoint": str(final),
         "untrained_checkpoint": str(untrained),
@@ -186,7 +185,7 @@ def run(cfg: Config, out: Path) -> dict:
         "val_samples": n_eval,
         **loss_tokens,
         "eagle_aux_hidden_state_layer_ids": check["aux_ids"],
-        "final_val": val_summary(val[-1]["val"] if val else {}),
+        "final_val": final_val(rows, cfg.train.epochs),
         "train_tokens_per_s": train_throughput(rows),
         **({"init_from": {"path": cfg.train.init_from, **init}} if init else {}),
     }
@@ -446,6 +445,12 @@ def val_rows(rows: list[dict]) -> dict[int, dict]:
 def val_summary(val: dict) -> dict:
     """One epoch's validation row of speculators' metrics.jsonl as train's summary records it."""
     return {k: round(v, 4) for k, v in val.items() if isinstance(v, (int, float))}
+
+
+def final_val(rows: list[dict], epochs: int) -> dict:
+    """The last scheduled epoch's validation (by its epoch number, as val_rows reads them), {} when metrics.jsonl has
+    none for it: the last row by position would be an earlier epoch's when that epoch's row is missing."""
+    return val_summary(val_rows(rows).get(epochs - 1, {}))
 
 
 def train_throughput(rows: list[dict]) -> float | None:

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.manifest import StepError, read_manifest
 from pipeline.steps import run
-from pipeline.train import check_draft_checkpoint
+from pipeline.train import check_draft_checkpoint, final_val, val_summary
 from tests.conftest import LAYER_IDS, REPO, clone_run
 
 
@@ -134,6 +134,8 @@ def test_training_resumes_after_a_kill(trained_run, runs_dir):
     assert (cfg.step_dir("train") / "checkpoints" / "2" / "model.safetensors").exists()
     rows = [json.loads(line) for line in (cfg.step_dir("train") / "metrics.jsonl").read_text().splitlines()]
     assert {1, 2} <= {r["epoch"] for r in rows if "val" in r}
+    last = [r["val"] for r in rows if "val" in r and r["epoch"] == 2][-1]
+    assert read_manifest(cfg.step_dir("train"))["summary"]["final_val"] == val_summary(last) != {}
     steps = [r["global_step"] for r in rows if "train" in r]
     # Steps only go back where the killed run had logged part of an epoch the rerun redoes; never to 0.
     assert steps[0] == 0 and 0 not in steps[1:], "the rerun started from scratch instead of the epoch-0 checkpoint"
@@ -184,6 +186,16 @@ def test_training_starts_from_a_shipped_drafter(trained_run, runs_dir, work):
     save_file(weights, str(bad / "model.safetensors"))
     with pytest.raises(StepError, match="embed_tokens.weight is not the target's"):
         check_frozen_weights(bad, cfg.model_path, cfg.step_dir("vocab"))
+
+
+def test_final_validation_is_the_last_epochs_not_the_last_row():
+    # a resume after a stop in the last epoch's validation leaves metrics.jsonl without that epoch's row: the last
+    # row then is an earlier epoch's, which train's summary must not report as final (session 44's review)
+    rows = [{"epoch": 0, "val": {"loss": 2.0}}, {"train": {"loss": 1.5}, "epoch": 1},
+            {"epoch": 1, "val": {"loss": 1.0, "note": "x"}}]
+    assert final_val(rows, 2) == {"loss": 1.0}
+    assert final_val(rows, 3) == {}
+    assert final_val(rows, 1) == {"loss": 2.0}   # a 1-epoch schedule's, whatever follows it
 
 
 def test_train_refuses_layer_ids_that_disagree_with_the_extraction(trained_run, runs_dir):
