@@ -77,6 +77,28 @@ def test_trained_checkpoint_carries_extraction_ids_and_vocab(trained_run):
                                                                                      follow_links=False)
 
 
+def test_training_loader_workers_read_the_dataset_pickled_without_lengths(trained_run):
+    # patch 0007: the dataset pickles without approx_lengths (one int per sample), so speculators' spawn workers
+    # start together instead of one after another (tests/bench/loader_start.py); on a GPU host the train step runs
+    # 12 of them (CPU runs use none), so read a batch here through two real workers over the run's real files
+    import pickle
+
+    from speculators.train.data import ArrowDataset
+    from speculators.train.dataloader import _setup_dataloader
+
+    ds = ArrowDataset(max_len=trained_run.train.total_seq_len, datapath=trained_run.step_dir("train") / "data",
+                      on_missing="raise", train_ratio=0.5, split="train", hidden_states_dtype=torch.float32)
+    assert len(ds.approx_lengths) == len(ds) > 0
+    copy = pickle.loads(pickle.dumps(ds))
+    assert not hasattr(copy, "approx_lengths") and len(copy) == len(ds)
+    hidden = json.loads((trained_run.model_path / "config.json").read_text())["hidden_size"]
+    loader = _setup_dataloader(ds, total_seq_len=trained_run.train.total_seq_len, hidden_size=hidden, num_workers=2)
+    batches = iter(loader)
+    batch = next(batches)
+    batches._shutdown_workers()
+    assert batch["input_ids"].shape[-1] == trained_run.train.total_seq_len and batch["loss_mask"].sum() > 0
+
+
 def test_vllm_uses_the_checkpoint_layer_ids_not_its_defaults(trained_run):
     log = (trained_run.step_dir("eval") / "trained.log").read_text()
     assert f"Using auxiliary layers from speculative config: {tuple(LAYER_IDS[:-1])}" in log
