@@ -186,6 +186,8 @@ def run(cfg: Config, out: Path) -> dict:
         **loss_tokens,
         "eagle_aux_hidden_state_layer_ids": check["aux_ids"],
         "final_val": final_val(rows, cfg.train.epochs),
+        # False when the last epoch's validation row is missing (a resume past a stop during it): final_val is {}
+        "validated": cfg.train.epochs - 1 in val_rows(rows),
         "train_tokens_per_s": train_throughput(rows),
         **({"init_from": {"path": cfg.train.init_from, **init}} if init else {}),
     }

@@ -94,8 +94,10 @@ def test_training_loader_workers_read_the_dataset_pickled_without_lengths(traine
     hidden = json.loads((trained_run.model_path / "config.json").read_text())["hidden_size"]
     loader = _setup_dataloader(ds, total_seq_len=trained_run.train.total_seq_len, hidden_size=hidden, num_workers=2)
     batches = iter(loader)
-    batch = next(batches)
-    batches._shutdown_workers()
+    try:
+        batch = next(batches)
+    finally:
+        batches._shutdown_workers()
     assert batch["input_ids"].shape[-1] == trained_run.train.total_seq_len and batch["loss_mask"].sum() > 0
 
 
@@ -157,7 +159,8 @@ def test_training_resumes_after_a_kill(trained_run, runs_dir):
     rows = [json.loads(line) for line in (cfg.step_dir("train") / "metrics.jsonl").read_text().splitlines()]
     assert {1, 2} <= {r["epoch"] for r in rows if "val" in r}
     last = [r["val"] for r in rows if "val" in r and r["epoch"] == 2][-1]
-    assert read_manifest(cfg.step_dir("train"))["summary"]["final_val"] == val_summary(last) != {}
+    summary = read_manifest(cfg.step_dir("train"))["summary"]
+    assert summary["final_val"] == val_summary(last) != {} and summary["validated"] is True
     steps = [r["global_step"] for r in rows if "train" in r]
     # Steps only go back where the killed run had logged part of an epoch the rerun redoes; never to 0.
     assert steps[0] == 0 and 0 not in steps[1:], "the rerun started from scratch instead of the epoch-0 checkpoint"
