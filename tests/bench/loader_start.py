@@ -5,12 +5,14 @@
 speculators 0.9.0 starts its DataLoader workers with multiprocessing_context="spawn" (speculators.train.dataloader).
 The parent writes each worker's pickled dataset into a pipe; a pickle over the pipe's 64 KiB blocks the parent until
 that worker has imported torch and speculators, so the workers start one after another. The train dataset's
-approx_lengths (one int per sample) make its pickle 154 kB at 56,000 samples; patch 0007 leaves them out of it.
+approx_lengths (one int per sample) make its pickle 151.5 kB at 54,713 samples (the defaults); patch 0007 leaves them
+out of it (2.1 kB).
 
-Builds an Arrow dataset of --rows samples (the layout prepare writes: input_ids, loss_mask, seq_len) under
-.cache/bench-loader/, then times iter() over speculators' own _setup_dataloader (iter() returns once every worker has
-been started: the parent's part of the first batch's wait; each worker's own imports come after, in parallel) as installed (patched, if the series is applied) and with the patch's
-__getstate__ taken away (upstream 0.9.0). No batch is read: the hidden-state files do not exist.
+Builds an Arrow dataset of --rows rows (the layout prepare writes: input_ids, loss_mask, seq_len) under
+.cache/bench-loader/, then times iter() over speculators' own _setup_dataloader as installed (patched, if the series
+is applied) and with the patch's __getstate__ taken away (upstream 0.9.0). iter() returns once every worker has been
+started: the parent's part of the first batch's wait; each worker's own imports come after, in parallel. No batch is
+read: the hidden-state files do not exist.
 """
 from __future__ import annotations
 
