@@ -174,6 +174,9 @@ def run(cfg: Config, out: Path) -> dict:
     check_frozen_weights(final, cfg.model_path, vocab_dir)
     rows = read_metrics(out) or []
     plot_curves(rows, out / "curves.png")
+    # None when the last epoch's validation row is missing (a resume past a stop during it), as ship's record of an
+    # unfinished run says it
+    last_val = final_val(rows, cfg.train.epochs)
     summary = {
         "checkpoint": str(final),
         "untrained_checkpoint": str(untrained),
@@ -185,9 +188,8 @@ def run(cfg: Config, out: Path) -> dict:
         "val_samples": n_eval,
         **loss_tokens,
         "eagle_aux_hidden_state_layer_ids": check["aux_ids"],
-        "final_val": final_val(rows, cfg.train.epochs),
-        # False when the last epoch's validation row is missing (a resume past a stop during it): final_val is {}
-        "validated": cfg.train.epochs - 1 in val_rows(rows),
+        "final_val": last_val,
+        "validated": last_val is not None,
         "train_tokens_per_s": train_throughput(rows),
         **({"init_from": {"path": cfg.train.init_from, **init}} if init else {}),
     }
@@ -449,10 +451,11 @@ def val_summary(val: dict) -> dict:
     return {k: round(v, 4) for k, v in val.items() if isinstance(v, (int, float))}
 
 
-def final_val(rows: list[dict], epochs: int) -> dict:
-    """The last scheduled epoch's validation (by its epoch number, as val_rows reads them), {} when metrics.jsonl has
-    none for it: the last row by position would be an earlier epoch's when that epoch's row is missing."""
-    return val_summary(val_rows(rows).get(epochs - 1, {}))
+def final_val(rows: list[dict], epochs: int) -> dict | None:
+    """The last scheduled epoch's validation (by its epoch number, as val_rows reads them), None when metrics.jsonl
+    has none for it: the last row by position would be an earlier epoch's when that epoch's row is missing."""
+    vals = val_rows(rows)
+    return val_summary(vals[epochs - 1]) if epochs - 1 in vals else None
 
 
 def train_throughput(rows: list[dict]) -> float | None:

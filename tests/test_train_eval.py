@@ -219,7 +219,7 @@ def test_final_validation_is_the_last_epochs_not_the_last_row():
     rows = [{"epoch": 0, "val": {"loss": 2.0}}, {"train": {"loss": 1.5}, "epoch": 1},
             {"epoch": 1, "val": {"loss": 1.0, "note": "x"}}]
     assert final_val(rows, 2) == {"loss": 1.0}
-    assert final_val(rows, 3) == {}
+    assert final_val(rows, 3) is None
     assert final_val(rows, 1) == {"loss": 2.0}   # a 1-epoch schedule's, whatever follows it
 
 
