@@ -63,7 +63,7 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
     folder's name). What speculators logged (its arguments, the per-step profile, the validation rows) says how it
     was trained; the train section is the shipping config's, so --config/--set must name the run's own train
     settings."""
-    from .train import init_hashes, read_metrics, train_throughput, val_rows, val_summary  # train's own readers of the same rows
+    from .train import final_val, init_hashes, read_metrics, train_throughput, val_rows  # train's own readers of the same rows
 
     path, rows = run / "train" / "metrics.jsonl", read_metrics(run / "train")
     if rows is None:
@@ -97,7 +97,7 @@ def unfinished_train(run: Path, cfg: Config, epoch: int) -> dict:
             "summary": {"epochs": epoch + 1, "epochs_scheduled": scheduled,
                         "finished": epoch + 1 == scheduled and epoch in vals,
                         "eagle_aux_hidden_state_layer_ids": draft.get("target_layer_ids"),
-                        "final_val": val_summary(vals[epoch]) if epoch in vals else None,
+                        "final_val": final_val(rows, epoch + 1),  # as train's summary of an epoch + 1 schedule
                         "validated": epoch in vals, "train_tokens_per_s": train_throughput(rows)}}
 
 
