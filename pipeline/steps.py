@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 from .config import Config
 from .manifest import StepError, run_step, sha256_file, step_fingerprint
@@ -30,8 +31,8 @@ DRAFT_FILES = ("config.json", "model.safetensors")
 def upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
     """(upstream steps, extra inputs): eval of a drafter made elsewhere (eval.draft) needs only the model step,
     and the drafter's files stand in for the train step's outputs in its fingerprint; prepare of a mix
-    (data.sources) has its files' contents in its fingerprint; so has train of the drafter it starts from
-    (train.init_from)."""
+    (data.sources) or of a local file (data.path) has its files' contents in its fingerprint; so has train of the
+    drafter it starts from (train.init_from)."""
     upstream, extra = _upstream_of(cfg, step)
     if step == "train" and cfg.train.init_from:
         from .train import init_hashes
@@ -55,6 +56,9 @@ def _upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
         from .config import PACKAGED_SOURCES
 
         return upstream, {"sources": [s if s in PACKAGED_SOURCES else sha256_file(cfg.path(s)) for s in cfg.data.sources]}
+    if step == "prepare" and cfg.data.path:  # a local file instead of the packaged one: its contents too, so an edited
+        p = Path(cfg.data.path)             # file is prepared again (the path as prepare reads it; a missing file is
+        return upstream, {"path": sha256_file(p) if p.is_file() else "missing"}  # prepare's own error, naming it)
     if step == "eval" and cfg.eval.draft:
         from .evaluate import given_draft
 

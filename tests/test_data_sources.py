@@ -239,6 +239,23 @@ def test_a_source_file_changed_in_place_changes_prepares_inputs(work):
     assert upstream_of(cfg, "prepare")[1] != before[1]
 
 
+def test_a_data_path_file_changed_in_place_changes_prepares_inputs(work):
+    """A single local file (data.path, the Kimi configs' way in for recorded trajectories): editing it in place
+    must not leave prepare "complete for these inputs" on the old conversations."""
+    from pipeline.steps import upstream_of
+
+    a = write_jsonl(work / "alpha.jsonl", [conv(i, "dunes") for i in range(5)])
+    cfg = load_config(write_config(work / "one.toml", work / "runs", "one", data={"path": str(a)}))
+    before = upstream_of(cfg, "prepare")
+    assert before[0] == ("model",) and len(before[1]["path"]) == 64
+    write_jsonl(a, [conv(i, "dunes") for i in range(6)])
+    assert upstream_of(cfg, "prepare")[1] != before[1]
+    a.unlink()  # a missing file is left to prepare, whose error names it
+    assert upstream_of(cfg, "prepare")[1] == {"path": "missing"}
+    packaged = load_config(write_config(work / "packaged.toml", work / "runs", "packaged"))
+    assert upstream_of(packaged, "prepare") == (("model",), {})  # the packaged file is pinned: nothing to hash
+
+
 def test_prompt_only_sources_are_refused_without_regeneration(work):
     """A prompt_sets file carries a stand-in answer; training on it with data.regenerate = "off" is refused."""
     from pipeline import prepare
