@@ -242,6 +242,8 @@ def test_a_source_file_changed_in_place_changes_prepares_inputs(work):
 def test_a_data_path_file_changed_in_place_changes_prepares_inputs(work):
     """A single local file (data.path, the Kimi configs' way in for recorded trajectories): editing it in place
     must not leave prepare "complete for these inputs" on the old conversations."""
+    from pipeline import steps
+    from pipeline.manifest import StepError
     from pipeline.steps import upstream_of
 
     a = write_jsonl(work / "alpha.jsonl", [conv(i, "dunes") for i in range(5)])
@@ -250,8 +252,13 @@ def test_a_data_path_file_changed_in_place_changes_prepares_inputs(work):
     assert before[0] == ("model",) and len(before[1]["path"]) == 64
     write_jsonl(a, [conv(i, "dunes") for i in range(6)])
     assert upstream_of(cfg, "prepare")[1] != before[1]
-    a.unlink()  # a missing file is left to prepare, whose error names it
-    assert upstream_of(cfg, "prepare")[1] == {"path": "missing"}
+    done = cfg.step_dir("prepare")  # a finished prepare: a missing file must not empty it for a new fingerprint
+    done.mkdir(parents=True)
+    (done / "manifest.json").write_text("{}")
+    a.unlink()
+    with pytest.raises(StepError, match=r"data.path: conversations file not found: .*alpha.jsonl.*Restore the file"):
+        steps.run(cfg, "prepare")
+    assert (done / "manifest.json").read_text() == "{}"
     packaged = load_config(write_config(work / "packaged.toml", work / "runs", "packaged"))
     assert upstream_of(packaged, "prepare") == (("model",), {})  # the packaged file is pinned: nothing to hash
 
