@@ -228,12 +228,20 @@ def normalize(record, report: LoadReport) -> dict | None:
     return conv
 
 
+def local_file(path: str) -> Path:
+    """A local conversations file (data.path) as prepare reads it: relative to the directory the command runs in;
+    refused, naming the resolved path, when it is not a file."""
+    p = Path(path)
+    if not p.is_file():
+        raise StepError(f"data.path: conversations file not found: {p.resolve()} (a relative data.path is read from the "
+                        f"directory the command runs in)")
+    return p
+
+
 def load_conversations(stack: str, path: str = "") -> tuple[list[dict], LoadReport]:
     """All usable, de-duplicated conversations from the configured source, in file order."""
     if path:
-        p = Path(path)
-        if not p.exists():
-            raise StepError(f"data.path: conversations file not found: {p}")
+        p = local_file(path)
         sha = sha256_file(p)
         if p.suffix == ".gz":
             import gzip

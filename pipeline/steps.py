@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 
 from .config import Config
 from .manifest import StepError, run_step, sha256_file, step_fingerprint
@@ -57,11 +56,13 @@ def _upstream_of(cfg: Config, step: str) -> tuple[tuple[str, ...], dict]:
 
         return upstream, {"sources": [s if s in PACKAGED_SOURCES else sha256_file(cfg.path(s)) for s in cfg.data.sources]}
     if step == "prepare" and cfg.data.path:  # a local file instead of the packaged one: its contents too, so an edited
-        p = Path(cfg.data.path)             # file is prepared again (the path as prepare reads it: from the cwd)
-        if not p.is_file():  # refused here, before run_step would empty a finished prepare for a changed fingerprint
-            raise StepError(f"data.path: conversations file not found: {p.resolve()} (a relative data.path is read from "
-                            f"the directory the command runs in). Restore the file or fix data.path in "
-                            f"{cfg.source_path}; nothing in {cfg.step_dir('prepare')} was changed")
+        from .datasets import local_file    # file is prepared again
+
+        try:  # prepare's own refusal of a missing file, here before run_step would empty a finished prepare
+            p = local_file(cfg.data.path)
+        except StepError as e:
+            raise StepError(f"{e}. Restore the file or fix data.path in {cfg.source_path}; nothing in "
+                            f"{cfg.step_dir('prepare')} was changed") from None
         return upstream, {"path": sha256_file(p)}
     if step == "eval" and cfg.eval.draft:
         from .evaluate import given_draft
