@@ -16,8 +16,8 @@ Sampling: pure temperature, with one of two engines (`--engine`):
 - `hf` (the default; the lent H200 has no vLLM): transformers (hf_engine.generate, on the GPU when there is one),
   one torch generator seeded by --seed, drawn batch by batch: the same config, n, seed, batch size, device and
   torch/transformers versions give the same file (tested on CPU; not repeated on a GPU).
-- `vllm`: the config's vLLM engine, one seed per request (`request_seed`; one seed for all would give identical
-  prompts identical requests), chunked prefill off (vLLM 0.32's CPU worker fails on a seeded request whose
+- `vllm`: the config's vLLM engine, one seed per request (`request_seed`, 32 bits: --seed 0..255; one seed for
+  all would give identical prompts identical requests), chunked prefill off (vLLM 0.32's CPU worker fails on a seeded request whose
   prefill is split: "CPU Generator does not use offset"). The same config, n, seed and versions give the same
   file on the same machine (tested on CPU). 3.2x faster than `hf` on the 2-core CPU (256 requests: 41.3 vs
   132.6 s; tests/bench/self_prompts_engines.sh).
@@ -167,10 +167,20 @@ def select(generations: list[tuple[str, str, str, bool]], questions: list[str]) 
     return [r for r in kept if r["id"] not in hits], dropped
 
 
+SEED_BITS, INDEX_BITS = 8, 24   # request_seed's 32 bits: --seed below 256, at most 2**24 requests
+
+
 def request_seed(seed: int, i: int) -> int:
-    """The vLLM engine's seed for request i of a run seeded `seed`: distinct for every (seed, i) with i < 2**32,
-    so the requests of two seeds never share a random stream."""
-    return (seed << 32) | i
+    """The vLLM engine's seed for request i of a run seeded `seed`, `(seed << 24) | i`: distinct for every
+    (seed, i) with seed < 2**8 and i < 2**24, so the requests of two seeds never share a random stream.
+
+    It must fit in 32 bits: torch's CPU generator (vLLM's CPU sampler) keeps only a seed's low 32 bits, so the
+    `(seed << 32) | i` used before session 49 gave request i of every seed the same stream on a CPU (set 18,
+    written on the CPU with seed 18, repeated 3,029 of set 15's requests: NOTES "Session 49")."""
+    if not (0 <= seed < 2**SEED_BITS and 0 <= i < 2**INDEX_BITS):
+        raise StepError(f"--seed {seed}, request {i}: the vLLM engine's per-request seeds need a seed in 0..255 "
+                        f"and at most 2**24 requests (torch's CPU generator keeps only 32 bits of a seed)")
+    return (seed << INDEX_BITS) | i
 
 
 def write_requests(cfg: Config, prompts: list[list[int]], *, engine: str, temperature: float, max_new_tokens: int,
@@ -202,7 +212,7 @@ def write_requests(cfg: Config, prompts: list[list[int]], *, engine: str, temper
                             seed=[request_seed(seed, i) for i in range(len(prompts))])
         finally:
             close(llm)
-        made = {"engine": "vLLM (pipeline.engines.vllm_offline), one seed per request: (seed << 32) | index",
+        made = {"engine": "vLLM (pipeline.engines.vllm_offline), one seed per request: (seed << 24) | index",
                 "vllm": vllm.__version__}
     else:
         raise StepError(f"--engine {engine!r}: use hf (transformers) or vllm")
@@ -220,6 +230,8 @@ def build(cfg: Config, n: int, out: Path, questions: list[str], *, temperature: 
         raise StepError(f"--n {n}: ask for at least one prompt")
     if seed < 0 or n > 2**32:
         raise StepError(f"--seed {seed} / --n {n}: the seed must be >= 0 and n at most 2**32")
+    if engine == "vllm":
+        request_seed(seed, n - 1)   # refuses a seed or n out of its range before the model loads
     t0 = time.time()
     tok = load_tokenizer(cfg)
     asked = counts(n, shares)

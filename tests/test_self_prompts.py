@@ -139,18 +139,28 @@ def test_task_categories_open_each_request_with_their_openings(cfg, tmp_path):
 def test_vllm_engine_gives_each_request_its_own_seed_and_the_same_file_again(cfg, tmp_path):
     """`--engine vllm` (real vLLM on CPU): one seed per request, so the 24 requests are not one per category (one
     seed for all would write the same request for every prompt of a category, and select drops those as
-    duplicates); the same seed writes the same bytes again."""
-    out = tmp_path / "self.jsonl.gz"
+    duplicates); the same seed writes the same bytes again, and another seed other requests (session 48's
+    `(seed << 32) | i` lost the seed in torch's 32-bit CPU generator: set 18 repeated set 15's requests)."""
+    out, other = tmp_path / "self.jsonl.gz", tmp_path / "other.jsonl.gz"
     questions = [t for q in load_mtbench("vllm-0.32") for t in q["turns"]]
-    kw = dict(temperature=0.9, max_new_tokens=64, batch_size=0, seed=3, progress=False, engine="vllm")
-    side = self_prompts.build(cfg, 24, out, questions, **kw)
+    kw = dict(temperature=0.9, max_new_tokens=64, batch_size=0, progress=False, engine="vllm")
+    side = self_prompts.build(cfg, 24, out, questions, seed=3, **kw)
     recs = [json.loads(line) for line in gzip.open(out, "rt")]
     assert side["sampling"]["engine"].startswith("vLLM") and side["sampling"]["vllm"]
     assert len(recs) > len(self_prompts.CATEGORIES), side["dropped"]
     first = out.read_bytes()
-    self_prompts.build(cfg, 24, out, questions, **kw)
+    self_prompts.build(cfg, 24, out, questions, seed=3, **kw)
     assert out.read_bytes() == first
+    self_prompts.build(cfg, 24, other, questions, seed=4, **kw)
+    texts = [{r["conversations"][0]["value"] for r in map(json.loads, gzip.open(f, "rt"))} for f in (out, other)]
+    assert len(texts[0] & texts[1]) <= 2, texts[0] & texts[1]
     assert self_prompts.request_seed(3, 5) != self_prompts.request_seed(4, 5) != self_prompts.request_seed(3, 6)
+    assert self_prompts.request_seed(255, 2**24 - 1) == 2**32 - 1
+    for seed, i in ((256, 0), (3, 2**24), (-1, 0)):
+        with pytest.raises(StepError, match="seed in 0..255"):
+            self_prompts.request_seed(seed, i)
+    with pytest.raises(StepError, match="seed in 0..255"):   # refused before the model loads
+        self_prompts.build(cfg, 24, tmp_path / "refused.jsonl.gz", questions, seed=256, **kw)
 
 
 def test_per_request_seeds_must_match_the_prompts():
