@@ -100,7 +100,7 @@ def test_training_loader_workers_read_the_dataset_pickled_without_lengths(traine
         batch = next(batches)
     finally:
         # A worker that read Arrow files sometimes aborts as its interpreter exits ("terminate called without an
-        # active exception": pyarrow's thread pool torn down at exit, apache/arrow#34314 and #39862; 3 of ~45
+        # active exception": pyarrow's thread pool torn down at exit, apache/arrow#34314 and #39862; 3 of 52
         # shutdowns under pytest, session 49), and torch's SIGCHLD watch turns that into a RuntimeError here. The
         # train step never shuts its persistent workers down (torch terminates them when it exits), so leave the
         # watch before this shutdown, as torch does before it terminates workers, and check the exit codes below.
