@@ -17,10 +17,10 @@ Sampling: pure temperature, with one of two engines (`--engine`):
   one torch generator seeded by --seed, drawn batch by batch: the same config, n, seed, batch size, device and
   torch/transformers versions give the same file (tested on CPU; not repeated on a GPU).
 - `vllm`: the config's vLLM engine, one seed per request (`request_seed`, 32 bits: --seed 0..255; one seed for
-  all would give identical prompts identical requests), chunked prefill off (vLLM 0.32's CPU worker fails on a seeded request whose
-  prefill is split: "CPU Generator does not use offset"). The same config, n, seed and versions give the same
-  file on the same machine (tested on CPU). 3.2x faster than `hf` on the 2-core CPU (256 requests: 41.3 vs
-  132.6 s; tests/bench/self_prompts_engines.sh).
+  all would give identical prompts identical requests), chunked prefill off (vLLM 0.32's CPU worker fails on a
+  seeded request whose prefill is split: "CPU Generator does not use offset"). The same config, n, seed and
+  versions give the same file on the same machine (tested on CPU). 3.2x faster than `hf` on the 2-core CPU (256
+  requests: 41.3 vs 132.6 s; tests/bench/self_prompts_engines.sh).
 
 Kept, in this order (each drop counted in `<out>.sources.json`): a request that ended at the end-of-turn token
 (not cut at --max-new-tokens) with no other special token before it (decoding would drop it silently: a
@@ -178,8 +178,9 @@ def request_seed(seed: int, i: int) -> int:
     `(seed << 32) | i` used before session 49 gave request i of every seed the same stream on a CPU (set 18,
     written on the CPU with seed 18, repeated 3,029 of set 15's requests: NOTES "Session 49")."""
     if not (0 <= seed < 2**SEED_BITS and 0 <= i < 2**INDEX_BITS):
-        raise StepError(f"--seed {seed}, request {i}: the vLLM engine's per-request seeds need a seed in 0..255 "
-                        f"and at most 2**24 requests (torch's CPU generator keeps only 32 bits of a seed)")
+        raise StepError(f"--seed {seed}, request {i}: the vLLM engine's per-request seeds need a seed in "
+                        f"0..{2**SEED_BITS - 1} and at most 2**{INDEX_BITS} requests (torch's CPU generator keeps "
+                        f"only 32 bits of a seed)")
     return (seed << INDEX_BITS) | i
 
 
@@ -212,7 +213,7 @@ def write_requests(cfg: Config, prompts: list[list[int]], *, engine: str, temper
                             seed=[request_seed(seed, i) for i in range(len(prompts))])
         finally:
             close(llm)
-        made = {"engine": "vLLM (pipeline.engines.vllm_offline), one seed per request: (seed << 24) | index",
+        made = {"engine": f"vLLM (pipeline.engines.vllm_offline), one seed per request: (seed << {INDEX_BITS}) | index",
                 "vllm": vllm.__version__}
     else:
         raise StepError(f"--engine {engine!r}: use hf (transformers) or vllm")
