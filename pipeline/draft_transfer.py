@@ -12,6 +12,7 @@ limited in size: only what cannot be rebuilt from the target travels.
   python -m pipeline.draft_transfer prune SHIPPED_DIR KEEP_DRAFT_DIR OUT_DIR
   python -m pipeline.draft_transfer widen CKPT_OR_SLIM_DIR TARGET_MODEL_DIR OUT_DIR
   python -m pipeline.draft_transfer average OUT_DIR DRAFT_DIR DRAFT_DIR [...]
+  python -m pipeline.draft_transfer grow DRAFT_DIR OUT_DIR
 
 `ship` writes the form a drafter is kept and served in: config.json + one model.safetensors without the
 embedding. vLLM (0.32's Eagle3LlamaForCausalLM.load_weights) and the transformers evaluator both take the
@@ -23,6 +24,12 @@ can propose every target token through the target's own lm_head, which vLLM then
 
 `average` writes the uniform mean of drafters of one shape (a "model soup") in the `ship` form: the start and the
 end of a continuation averaged have served a higher MT-bench acceptance than either (NOTES, sessions 35-38).
+
+`grow` writes the same drafter with one more decoder layer that changes nothing yet: a copy of its last layer (a new
+one for a one-layer drafter) whose two output projections (self_attn.o_proj, mlp.down_proj) are zero, so the new layer adds zero to the residual
+stream and the grown drafter proposes exactly what it did. Training (`train.num_layers` one higher,
+`train.init_from` the grown folder) then gives the extra capacity something to learn from where the drafter stands,
+instead of from random weights.
 """
 from __future__ import annotations
 
@@ -279,6 +286,51 @@ def prune(src: Path, keep: Path, out: Path) -> Path:
     return out
 
 
+ZEROED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # a new layer's outputs into the residual stream
+
+
+def grow(src: Path, out: Path, seed: int = 0) -> Path:
+    """SRC (any form `_served_weights` reads) with one more decoder layer -> OUT in the `ship` form, its output
+    projections (ZEROED) zero, so OUT drafts exactly as SRC does until it is trained. The new layer is a copy of the
+    last one where that reads the residual stream (two layers or more); a one-layer drafter's only layer reads the
+    fc's output instead (twice as wide), so its new layer starts at random (normal, the config's
+    initializer_range; norms one), as speculators initialises a layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = _served_weights(src)
+    config = json.loads((src / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    n = layer["num_hidden_layers"]
+    held = sorted({int(k.split(".")[1]) for k in weights if k.startswith("layers.")})
+    if held != list(range(n)):
+        raise ValueError(f"{src}: config.json says {n} decoder layers, its weights hold layers {held}")
+    if n >= 2:
+        new = {k[len(f"layers.{n - 1}."):]: v.clone() for k, v in weights.items() if k.startswith(f"layers.{n - 1}.")}
+    else:
+        h, heads, kv, d = (layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"],
+                           layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"])
+        shapes = {"self_attn.q_proj.weight": (heads * d, h), "self_attn.k_proj.weight": (kv * d, h),
+                  "self_attn.v_proj.weight": (kv * d, h), "self_attn.o_proj.weight": (h, heads * d),
+                  "mlp.gate_proj.weight": (layer["intermediate_size"], h), "mlp.up_proj.weight": (layer["intermediate_size"], h),
+                  "mlp.down_proj.weight": (h, layer["intermediate_size"])}
+        dtype = weights["layers.0.input_layernorm.weight"].dtype
+        g = torch.Generator().manual_seed(seed)
+        new = {k: (torch.randn(shape, generator=g) * layer.get("initializer_range", 0.02)).to(dtype)
+               for k, shape in shapes.items()}
+        new |= {k: torch.ones(h, dtype=dtype) for k in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+    for k in ZEROED:
+        new[k] = torch.zeros_like(new[k])
+    weights |= {f"layers.{n}.{k}": v for k, v in new.items()}
+    layer["num_hidden_layers"] = n + 1
+    if isinstance(layer.get("layer_types"), list):
+        layer["layer_types"] = layer["layer_types"] + layer["layer_types"][-1:]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    return out
+
+
 def main(argv: list[str]) -> int:
     cmd, *args = argv or [""]
     try:
@@ -293,6 +345,8 @@ def main(argv: list[str]) -> int:
             print(prune(Path(args[0]), Path(args[1]), Path(args[2])))
         elif cmd == "widen":
             print(widen(Path(args[0]), Path(args[1]), Path(args[2])))
+        elif cmd == "grow" and len(args) == 2:
+            print(grow(Path(args[0]), Path(args[1])))
         elif cmd == "average" and len(args) >= 3:
             print(average(Path(args[0]), [Path(a) for a in args[1:]]))
         else:

@@ -72,6 +72,29 @@ def test_vllm_serves_the_shipped_drafter(smollm2, runs_dir, work):
     assert fingerprint(load_config(cfg.source_path, {"run.runs_dir": str(runs_dir), "eval.draft": str(copy)}), "eval") != fp
 
 
+def test_vllm_serves_a_grown_drafter_exactly_as_its_start(smollm2, runs_dir, work):
+    """draft_transfer.grow adds a decoder layer whose output projections are zero: real vLLM (CPU) serves the
+    grown drafter (one layer more than the shipped one) with exactly the shipped one's drafts and acceptances, so
+    a run continued from it starts where the shipped drafter stands (80 prompts x 128 tokens: 2.6779 both, NOTES
+    "Session 50"). Under 25 MB, the shipped drafter's limit."""
+    from pipeline.draft_transfer import grow
+    from pipeline.evaluate import evaluate_drafts
+
+    cfg = load_config(REPO / "configs" / "smollm2-shipped.toml",
+                      {"run.runs_dir": str(runs_dir), "eval.max_tokens": 32, "eval.max_prompts": 16})
+    run(cfg, "model")
+    grown = grow(SHIPPED, work / "grown")
+    assert (grown / "model.safetensors").stat().st_size <= 25e6
+    layers = [json.loads((d / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"]
+              for d in (SHIPPED, grown)]
+    assert layers[1] == layers[0] + 1
+    (work / "eval").mkdir()
+    r = evaluate_drafts(cfg, {"shipped": SHIPPED, "grown": grown}, work / "eval")["drafters"]
+    keys = ("drafts", "draft_tokens", "accepted_tokens", "per_position_acceptance", "outputs_identical_to_baseline")
+    assert {k: r["grown"][k] for k in keys} == {k: r["shipped"][k] for k in keys}
+    assert r["shipped"]["all_outputs_identical"] and r["shipped"]["acceptance_length"] >= 1.5, r["shipped"]
+
+
 def _draft_with_target_rows(smollm2, folder, ids):
     """A served-form drafter whose lm_head is the target's output embedding at `ids` (speculators 0.9 never
     trains it), with one other weight and the vocab maps."""

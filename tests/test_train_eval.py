@@ -223,6 +223,40 @@ def test_training_starts_from_a_shipped_drafter(trained_run, runs_dir, work):
         check_frozen_weights(bad, cfg.model_path, cfg.step_dir("vocab"))
 
 
+def test_a_grown_drafter_trains_with_one_more_layer(trained_run, runs_dir, work):
+    """draft_transfer.grow: the drafter with one more decoder layer whose output projections are zero (so it drafts
+    as before) starts a run of train.num_layers one higher through real speculators, which trains the new layer;
+    a folder whose weights disagree with its config is refused."""
+    from safetensors.torch import load_file
+
+    from pipeline.draft_transfer import ZEROED, grow, ship
+
+    drafter = ship(trained_run.step_dir("train") / "checkpoint", work / "drafter")
+    grown = grow(drafter, work / "grown")
+    before, after = (load_file(str(d / "model.safetensors")) for d in (drafter, grown))
+    assert {k: v for k, v in after.items() if not k.startswith("layers.1.")}.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(not after[f"layers.1.{z}"].any() for z in ZEROED) and after["layers.1.self_attn.q_proj.weight"].any()
+    assert json.loads((grown / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 2
+    # grown again, the copy of the last layer: the same tensors as layer 1, output projections still zero
+    three = load_file(str(grow(grown, work / "grown-3") / "model.safetensors"))
+    assert all(torch.equal(three[f"layers.2.{k[9:]}"], v) for k, v in after.items() if k.startswith("layers.1."))
+
+    cfg = clone_run(trained_run, "grown", runs_dir, train={"epochs": 1, "num_layers": 2, "init_from": str(grown)})
+    run(cfg, "train", force=True)
+    out = cfg.step_dir("train")
+    init, end = (load_file(str(out / d / "model.safetensors")) for d in ("init", "checkpoint"))
+    assert all(not init[f"layers.1.{z}"].any() for z in ZEROED)
+    assert all(end[f"layers.1.{z}"].any() for z in ZEROED), "speculators left the new layer's outputs at zero"
+    assert read_manifest(out)["summary"]["init_from"]["weights"] == len(after.keys() - {"lm_head.weight", "d2t", "t2d"})
+
+    (work / "grown" / "model.safetensors").rename(work / "moved")
+    shutil.copy(drafter / "model.safetensors", work / "grown" / "model.safetensors")  # 1 layer, config says 2
+    with pytest.raises(ValueError, match=r"config.json says 2 decoder layers, its weights hold layers \[0\]"):
+        grow(work / "grown", work / "never")
+    assert not (work / "never").exists()
+
+
 def test_final_validation_is_the_last_epochs_not_the_last_row():
     # a resume after a stop in the last epoch's validation leaves metrics.jsonl without that epoch's row: the last
     # row then is an earlier epoch's, which train's summary must not report as final (session 44's review)
