@@ -176,16 +176,38 @@ def started_from(train: dict, also: list[Path] = ()) -> dict:
     which this ship then replaces), its results.json: where it came from (`shipped_from`, a commit that has its
     bytes), its MT-bench AL and its own recipe, so the chain of runs behind a continued drafter stays on record.
     `also`: shipped folders to look in when the path holds no results of those bytes (a run on the device that
-    started from a copy of a drafter shipped since, session 39)."""
+    started from a copy of a drafter shipped since, session 39). A start that is a shipped drafter grown by a layer
+    (`draft_transfer grow`) is that drafter's record, with `grown` saying so (`grown_record`)."""
     path = train["config_sections"]["train"]["init_from"]
     files = (train.get("inputs") or {}).get("init_from") or {}
     made = {"path": path, "files_sha256": files, **(train.get("summary", {}).get("init_from") or {})}
     for where in ((REPO_ROOT / path).resolve(), *also):  # a relative path is the repository's, as train reads it
-        found = shipped_record(where, files)
+        found = shipped_record(where, files) or grown_record(where, files)
         if found:
             return {**made, **({"shipped_at": found["path"]} if found["path"] != path else {}),
+                    **({"grown": found["grown"]} if "grown" in found else {}),
                     "committed_in": found["committed_in"], "results": found["results"]}
     return {**made, "results": None}
+
+
+def grown_record(folder: Path, files: dict[str, str]) -> dict | None:
+    """FOLDER's shipped record (`shipped_record`, its own files as its results.json says) when FILES (sha256 by
+    name) are the bytes `draft_transfer grow` makes of it, grown again here to compare (grow is deterministic);
+    None otherwise."""
+    import tempfile
+
+    from .draft_transfer import grow
+
+    record = shipped_record(folder) if files else None
+    if not record:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        grown = grow(folder.resolve(), Path(tmp) / "grown")
+        if {f: sha256_file(grown / f) if (grown / f).is_file() else None for f in files} != files:
+            return None
+        layers = json.loads((grown / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"]
+    return {**record, "grown": f"python -m pipeline.draft_transfer grow {record['path']} <out>: {layers - 1} "
+                               f"decoder layers + 1 whose output projections start at zero"}
 
 
 def shipped_record(folder: Path, files: dict[str, str] | None = None) -> dict | None:

@@ -201,7 +201,7 @@ def test_ship_replaces_only_with_a_better_drafter(work):
     assert install(_folder(work / "e.new", 1.5), work / "e")  # nothing shipped yet: any drafter goes in
 
 
-def test_a_continued_drafter_records_the_drafter_it_started_from():
+def test_a_continued_drafter_records_the_drafter_it_started_from(work):
     """A warm-started run (train.init_from) continues the shipped drafter, which its own ship then replaces:
     results.json keeps the earlier drafter's results and a commit that holds its bytes, and only when the bytes
     the run hashed are the ones at that path."""
@@ -231,6 +231,23 @@ def test_a_continued_drafter_records_the_drafter_it_started_from():
     assert hashlib.sha256(held).hexdigest() == files["model.safetensors"]
     other = {**files, "model.safetensors": "0" * 64}  # the run started from other bytes than are there now
     assert started_from({**train, "inputs": {"init_from": other}})["results"] is None
+    # a run that started from the shipped drafter grown by a layer (on the device, from a copy: `also` finds it)
+    from pipeline.draft_transfer import grow
+
+    grown = grow(SHIPPED, work / "grown")
+    g = {f: sha256_file(grown / f) for f in files}
+    trained = {"config_sections": {"train": {"init_from": "data/packages/launch-only/drafter"}},
+               "inputs": {"init_from": g}}
+    made = started_from(trained, [SHIPPED])
+    assert made["files_sha256"] == g and made["shipped_at"] == path and made["committed_in"]
+    assert "grow" in made["grown"] and made["results"]["mtbench_acceptance_length"] == shipped["eval"]["mtbench"]["acceptance_length"]
+    from pipeline.report import continued_from
+
+    assert continued_from(made).endswith("`), grown by a decoder layer whose outputs started at zero (draft_transfer grow)")
+    assert "grown" not in continued_from(started_from(train))
+    twice = grow(grown, work / "twice")  # two layers more: not a grow of the shipped drafter
+    assert started_from({**trained, "inputs": {"init_from": {f: sha256_file(twice / f) for f in files}}},
+                        [SHIPPED])["results"] is None
     # the report quotes the shipped drafter, and says what it continued when it did
     from pipeline.report import shipped_lines
 
