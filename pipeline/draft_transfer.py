@@ -26,10 +26,10 @@ can propose every target token through the target's own lm_head, which vLLM then
 end of a continuation averaged have served a higher MT-bench acceptance than either (NOTES, sessions 35-38).
 
 `grow` writes the same drafter with one more decoder layer that changes nothing yet: a copy of its last layer (a new
-one for a one-layer drafter) whose two output projections (self_attn.o_proj, mlp.down_proj) are zero, so the new layer adds zero to the residual
-stream and the grown drafter proposes exactly what it did. Training (`train.num_layers` one higher,
-`train.init_from` the grown folder) then gives the extra capacity something to learn from where the drafter stands,
-instead of from random weights.
+one for a one-layer drafter) whose two output projections (self_attn.o_proj, mlp.down_proj) are zero, so the new
+layer adds zero to the residual stream and the grown drafter proposes what it did. Training (`train.num_layers` one
+higher, `train.init_from` the grown folder) then gives the extra capacity something to learn from where the drafter
+stands, instead of from random weights.
 """
 from __future__ import annotations
 
@@ -286,18 +286,26 @@ def prune(src: Path, keep: Path, out: Path) -> Path:
     return out
 
 
-ZEROED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # a new layer's outputs into the residual stream
+ZEROED = ("self_attn.o_proj", "mlp.down_proj")  # a new layer's outputs into the residual stream (weight, any bias)
+QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 
 
 def grow(src: Path, out: Path, seed: int = 0) -> Path:
-    """SRC (any form `_served_weights` reads) with one more decoder layer -> OUT in the `ship` form, its output
-    projections (ZEROED) zero, so OUT drafts exactly as SRC does until it is trained. The new layer is a copy of the
-    last one where that reads the residual stream (two layers or more); a one-layer drafter's only layer reads the
-    fc's output instead (twice as wide), so its new layer starts at random (normal, the config's
-    initializer_range; norms one), as speculators initialises a layer."""
+    """SRC (any form `_served_weights` reads) with one more decoder layer -> OUT in the `ship` form. The new layer's
+    output projections (ZEROED, weights and biases) are zero, so it adds zero to the residual stream: OUT computes
+    what SRC does, exactly in float32 (the CPU evaluator: session 50 served both with the same counters on all 80
+    MT-bench prompts) and up to the rounding of one residual sum in bf16. The new layer is a copy of the last one
+    where that reads the residual stream (two layers or more). A one-layer drafter's only layer reads the token
+    embedding joined to the fc's output (twice as wide, and a `hidden_norm`), so its new layer has layer 0's tensors
+    at the residual stream's width, at random (normal, the config's initializer_range; norms one) as speculators
+    initialises a layer. The same SRC, seed, torch and safetensors give the same bytes (`ship.grown_record` relies
+    on it)."""
     import torch
     from safetensors.torch import save_file
 
+    if out.resolve() == src.resolve() or any((out / f).exists() for f in ("slim.json", "results.json")):
+        raise ValueError(f"{out}: grow writes a new folder, not {src} itself, a slim folder or a shipped drafter's: "
+                         f"name another OUT")
     weights = _served_weights(src)
     config = json.loads((src / "config.json").read_text())
     layer = config["transformer_layer_config"]
@@ -305,22 +313,21 @@ def grow(src: Path, out: Path, seed: int = 0) -> Path:
     held = sorted({int(k.split(".")[1]) for k in weights if k.startswith("layers.")})
     if held != list(range(n)):
         raise ValueError(f"{src}: config.json says {n} decoder layers, its weights hold layers {held}")
+    last = {k.removeprefix(f"layers.{n - 1}."): v for k, v in weights.items() if k.startswith(f"layers.{n - 1}.")}
     if n >= 2:
-        new = {k[len(f"layers.{n - 1}."):]: v.clone() for k, v in weights.items() if k.startswith(f"layers.{n - 1}.")}
+        new = {k: v.clone() for k, v in last.items()}
     else:
-        h, heads, kv, d = (layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"],
-                           layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"])
-        shapes = {"self_attn.q_proj.weight": (heads * d, h), "self_attn.k_proj.weight": (kv * d, h),
-                  "self_attn.v_proj.weight": (kv * d, h), "self_attn.o_proj.weight": (h, heads * d),
-                  "mlp.gate_proj.weight": (layer["intermediate_size"], h), "mlp.up_proj.weight": (layer["intermediate_size"], h),
-                  "mlp.down_proj.weight": (h, layer["intermediate_size"])}
-        dtype = weights["layers.0.input_layernorm.weight"].dtype
         g = torch.Generator().manual_seed(seed)
-        new = {k: (torch.randn(shape, generator=g) * layer.get("initializer_range", 0.02)).to(dtype)
-               for k, shape in shapes.items()}
-        new |= {k: torch.ones(h, dtype=dtype) for k in ("input_layernorm.weight", "post_attention_layernorm.weight")}
-    for k in ZEROED:
-        new[k] = torch.zeros_like(new[k])
+        new = {}
+        for k, v in last.items():
+            if k == "hidden_norm.weight":
+                continue
+            shape = (v.shape[0], v.shape[1] // 2) if k in QKV else tuple(v.shape)
+            new[k] = (torch.ones(shape) if v.dim() == 1 else
+                      torch.randn(shape, generator=g) * layer.get("initializer_range", 0.02)).to(v.dtype)
+    for k in new:
+        if k.rsplit(".", 1)[0] in ZEROED:
+            new[k] = torch.zeros_like(new[k])
     weights |= {f"layers.{n}.{k}": v for k, v in new.items()}
     layer["num_hidden_layers"] = n + 1
     if isinstance(layer.get("layer_types"), list):

@@ -114,7 +114,8 @@ def continued_from(init: dict | None) -> str:
         return f", continuing the drafter then at {init.get('path')}"
     tokens = ((earlier.get("recipe") or {}).get("data") or {}).get("tokens") or "?"
     mean = " (itself a weight average)" if earlier.get("average") else ""
-    grown = ", grown by a decoder layer whose outputs started at zero (draft_transfer grow)" if init.get("grown") else ""
+    grown = (", grown by a decoder layer whose outputs started at zero (draft_transfer grow)"
+             if init.get("grown") else "")
     return (f", continuing a drafter{mean} of {epochs_text(earlier.get('epochs') or 0)} on {tokens} tokens (MT-bench AL "
             f"{earlier.get('mtbench_acceptance_length')}; its files: `git checkout {(init.get('committed_in') or '?')[:12]}"
             f" -- {init.get('shipped_at') or init.get('path')}`){grown}")

@@ -73,10 +73,10 @@ def test_vllm_serves_the_shipped_drafter(smollm2, runs_dir, work):
 
 
 def test_vllm_serves_a_grown_drafter_exactly_as_its_start(smollm2, runs_dir, work):
-    """draft_transfer.grow adds a decoder layer whose output projections are zero: real vLLM (CPU) serves the
-    grown drafter (one layer more than the shipped one) with exactly the shipped one's drafts and acceptances, so
-    a run continued from it starts where the shipped drafter stands (80 prompts x 128 tokens: 2.6779 both, NOTES
-    "Session 50"). Under 25 MB, the shipped drafter's limit."""
+    """draft_transfer.grow adds a decoder layer whose output projections are zero: real vLLM (CPU, float32, where
+    adding the zero layer changes no value) serves the grown drafter (one layer more than the shipped one) with
+    exactly the shipped one's drafts and acceptances, so a run continued from it starts where the shipped drafter
+    stands (80 prompts x 128 tokens: 2.6779 both, NOTES "Session 50"). Under 25 MB, the shipped drafter's limit."""
     from pipeline.draft_transfer import grow
     from pipeline.evaluate import evaluate_drafts
 
@@ -240,10 +240,12 @@ def test_a_continued_drafter_records_the_drafter_it_started_from(work):
                "inputs": {"init_from": g}}
     made = started_from(trained, [SHIPPED])
     assert made["files_sha256"] == g and made["shipped_at"] == path and made["committed_in"]
-    assert "grow" in made["grown"] and made["results"]["mtbench_acceptance_length"] == shipped["eval"]["mtbench"]["acceptance_length"]
+    assert "grow" in made["grown"]
+    assert made["results"]["mtbench_acceptance_length"] == shipped["eval"]["mtbench"]["acceptance_length"]
     from pipeline.report import continued_from
 
-    assert continued_from(made).endswith("`), grown by a decoder layer whose outputs started at zero (draft_transfer grow)")
+    assert continued_from(made).endswith("`), grown by a decoder layer whose outputs started at zero "
+                                         "(draft_transfer grow)")
     assert "grown" not in continued_from(started_from(train))
     twice = grow(grown, work / "twice")  # two layers more: not a grow of the shipped drafter
     assert started_from({**trained, "inputs": {"init_from": {f: sha256_file(twice / f) for f in files}}},

@@ -224,9 +224,10 @@ def test_training_starts_from_a_shipped_drafter(trained_run, runs_dir, work):
 
 
 def test_a_grown_drafter_trains_with_one_more_layer(trained_run, runs_dir, work):
-    """draft_transfer.grow: the drafter with one more decoder layer whose output projections are zero (so it drafts
-    as before) starts a run of train.num_layers one higher through real speculators, which trains the new layer;
-    a folder whose weights disagree with its config is refused."""
+    """draft_transfer.grow: the drafter with one more decoder layer whose output projections are zero starts a run
+    of train.num_layers one higher through real speculators, which keeps every grown tensor and trains the new
+    layer from there; a folder whose weights disagree with its config, and growing a folder into itself, are
+    refused."""
     from safetensors.torch import load_file
 
     from pipeline.draft_transfer import ZEROED, grow, ship
@@ -234,27 +235,37 @@ def test_a_grown_drafter_trains_with_one_more_layer(trained_run, runs_dir, work)
     drafter = ship(trained_run.step_dir("train") / "checkpoint", work / "drafter")
     grown = grow(drafter, work / "grown")
     before, after = (load_file(str(d / "model.safetensors")) for d in (drafter, grown))
-    assert {k: v for k, v in after.items() if not k.startswith("layers.1.")}.keys() == before.keys()
+    new = {k.removeprefix("layers.1."): v for k, v in after.items() if k.startswith("layers.1.")}
+    assert after.keys() - before.keys() == {f"layers.1.{k}" for k in new}
     assert all(torch.equal(after[k], v) for k, v in before.items())
-    assert all(not after[f"layers.1.{z}"].any() for z in ZEROED) and after["layers.1.self_attn.q_proj.weight"].any()
+    # layer 0 minus its hidden_norm, at the residual stream's width (q/k/v read half of layer 0's input)
+    layer0 = {k for k in before if k.startswith("layers.0.")}
+    assert {f"layers.0.{k}" for k in new} == layer0 - {"layers.0.hidden_norm.weight"}
+    assert new["self_attn.q_proj.weight"].shape[1] * 2 == before["layers.0.self_attn.q_proj.weight"].shape[1]
+    assert all(not new[f"{z}.weight"].any() for z in ZEROED) and new["self_attn.q_proj.weight"].any()
     assert json.loads((grown / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 2
-    # grown again, the copy of the last layer: the same tensors as layer 1, output projections still zero
+    # grown again, a copy of the last layer: layer 1's tensors, output projections still zero
     three = load_file(str(grow(grown, work / "grown-3") / "model.safetensors"))
-    assert all(torch.equal(three[f"layers.2.{k[9:]}"], v) for k, v in after.items() if k.startswith("layers.1."))
+    assert all(torch.equal(three[f"layers.2.{k}"], v) for k, v in new.items())
 
     cfg = clone_run(trained_run, "grown", runs_dir, train={"epochs": 1, "num_layers": 2, "init_from": str(grown)})
     run(cfg, "train", force=True)
     out = cfg.step_dir("train")
     init, end = (load_file(str(out / d / "model.safetensors")) for d in ("init", "checkpoint"))
-    assert all(not init[f"layers.1.{z}"].any() for z in ZEROED)
-    assert all(end[f"layers.1.{z}"].any() for z in ZEROED), "speculators left the new layer's outputs at zero"
-    assert read_manifest(out)["summary"]["init_from"]["weights"] == len(after.keys() - {"lm_head.weight", "d2t", "t2d"})
+    assert init.keys() <= end.keys() and end.keys() - init.keys() <= {"d2t", "t2d"}, end.keys() ^ init.keys()
+    assert all(torch.equal(init[k].to(v.dtype), v) for k, v in after.items() if k in init)  # speculators got these
+    assert all(end[f"layers.1.{z}.weight"].any() for z in ZEROED), "speculators left the new layer's outputs at zero"
+    # trained from the grown weights, not from speculators' own random ones: layer 0 moved little
+    cos = torch.nn.functional.cosine_similarity(end["layers.0.self_attn.q_proj.weight"].float().flatten(),
+                                                init["layers.0.self_attn.q_proj.weight"].float().flatten(), dim=0)
+    assert cos > 0.9, cos
 
-    (work / "grown" / "model.safetensors").rename(work / "moved")
     shutil.copy(drafter / "model.safetensors", work / "grown" / "model.safetensors")  # 1 layer, config says 2
     with pytest.raises(ValueError, match=r"config.json says 2 decoder layers, its weights hold layers \[0\]"):
         grow(work / "grown", work / "never")
     assert not (work / "never").exists()
+    with pytest.raises(ValueError, match="grow writes a new folder"):
+        grow(drafter, drafter)
 
 
 def test_final_validation_is_the_last_epochs_not_the_last_row():
