@@ -291,21 +291,31 @@ QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.w
 
 
 def grow(src: Path, out: Path, seed: int = 0) -> Path:
-    """SRC (any form `_served_weights` reads) with one more decoder layer -> OUT in the `ship` form. The new layer's
-    output projections (ZEROED, weights and biases) are zero, so it adds zero to the residual stream: OUT computes
-    what SRC does, exactly in float32 (the CPU evaluator: session 50 served both with the same counters on all 80
-    MT-bench prompts) and up to the rounding of one residual sum in bf16. The new layer is a copy of the last one
-    where that reads the residual stream (two layers or more). A one-layer drafter's only layer reads the token
-    embedding joined to the fc's output (twice as wide, and a `hidden_norm`), so its new layer has layer 0's tensors
-    at the residual stream's width, at random (normal, the config's initializer_range; norms one) as speculators
-    initialises a layer. The same SRC, seed, torch and safetensors give the same bytes (`ship.grown_record` relies
-    on it)."""
-    import torch
-    from safetensors.torch import save_file
-
+    """SRC (any form `_served_weights` reads) with one more decoder layer -> OUT in the `ship` form (`grown`'s
+    files). OUT must be a new folder: not SRC, a slim folder or a shipped drafter's."""
     if out.resolve() == src.resolve() or any((out / f).exists() for f in ("slim.json", "results.json")):
         raise ValueError(f"{out}: grow writes a new folder, not {src} itself, a slim folder or a shipped drafter's: "
                          f"name another OUT")
+    files = grown(src, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    return out
+
+
+def grown(src: Path, seed: int = 0) -> dict[str, bytes]:
+    """The bytes of SRC grown by one decoder layer: {"config.json": ..., "model.safetensors": ...}. The new layer's
+    output projections (ZEROED, weights and biases) are zero, so it adds zero to the residual stream: the grown
+    drafter computes what SRC does, exactly in float32 (the CPU evaluator: session 50 served both with the same
+    counters on all 80 MT-bench prompts) and up to the rounding of one residual sum in bf16. The new layer is a copy
+    of the last one where that reads the residual stream (two layers or more). A one-layer drafter's only layer
+    reads the token embedding joined to the fc's output (twice as wide, and a `hidden_norm`), so its new layer has
+    layer 0's tensors at the residual stream's width, at random (normal, the config's initializer_range; norms one)
+    as speculators initialises a layer. The same SRC, seed, torch and safetensors give the same bytes
+    (`ship.grown_record` compares them with a run's start)."""
+    import torch
+    from safetensors.torch import save
+
     weights = _served_weights(src)
     config = json.loads((src / "config.json").read_text())
     layer = config["transformer_layer_config"]
@@ -332,10 +342,8 @@ def grow(src: Path, out: Path, seed: int = 0) -> Path:
     layer["num_hidden_layers"] = n + 1
     if isinstance(layer.get("layer_types"), list):
         layer["layer_types"] = layer["layer_types"] + layer["layer_types"][-1:]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-    return out
+    return {"config.json": (json.dumps(config, indent=2) + "\n").encode(),
+            "model.safetensors": save({k: v.contiguous() for k, v in weights.items()})}
 
 
 def main(argv: list[str]) -> int:

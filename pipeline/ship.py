@@ -192,23 +192,22 @@ def started_from(train: dict, also: list[Path] = ()) -> dict:
 
 def grown_record(folder: Path, files: dict[str, str]) -> dict | None:
     """FOLDER's shipped record (`shipped_record`, its own files as its results.json says) when FILES (sha256 of
-    config.json and model.safetensors) are the bytes `draft_transfer grow` makes of it, grown again here to compare
-    (grow gives the same bytes under the same torch and safetensors); None otherwise."""
-    import tempfile
+    config.json and model.safetensors) are the bytes `draft_transfer.grown` makes of it, grown again here in memory
+    to compare (the same bytes under the same torch and safetensors); None otherwise."""
+    import hashlib
 
-    from .draft_transfer import grow
+    from .draft_transfer import grown
 
     record = shipped_record(folder) if set(files or ()) == {"config.json", "model.safetensors"} else None
     if not record:
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            grown = grow(folder.resolve(), Path(tmp) / "grown")
-        except (ValueError, KeyError):  # not a drafter grow can grow: no lineage to find this way
-            return None
-        if {f: sha256_file(grown / f) for f in files} != files:
-            return None
-        layers = json.loads((grown / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"]
+    try:
+        made = grown(folder.resolve())
+    except (ValueError, KeyError):  # not a drafter grow can grow: no lineage to find this way
+        return None
+    if {f: hashlib.sha256(made[f]).hexdigest() for f in files} != files:
+        return None
+    layers = json.loads(made["config.json"])["transformer_layer_config"]["num_hidden_layers"]
     return {**record, "grown": f"python -m pipeline.draft_transfer grow {record['path']} <out>: {layers - 1} "
                                f"decoder layers + 1 whose output projections start at zero"}
 
