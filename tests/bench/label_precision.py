@@ -3,8 +3,8 @@
     .venv/bin/python tests/bench/label_precision.py EVAL_DIR [EVAL_DIR ...] [--draft CKPT] [--out FILE]
 
 speculators trains the draft against `verifier_lm_head(verifier_norm(h))`, where h is the target's last-layer
-hidden state as extracted (bf16 on the GPU runs: `model.dtype = "bfloat16"`) and the head runs under FSDP's bf16
-parameters and bf16 autocast, so the label logits are bf16 too (about 3 significant digits: 0.125 apart near 20).
+hidden state as extracted (bf16 on the GPU runs: `model.dtype = "bfloat16"`) and the head runs under bf16 autocast
+(float32 parameters in one process, FSDP's bf16 ones in several: the same bf16 matmul), so the label logits are bf16 too (about 3 significant digits: 0.125 apart near 20).
 The evaluator serves the target in float32 and accepts a draft token only where it equals the float32 argmax.
 On an eval run's own outputs (EVAL_DIR: baseline.request.json + baseline.result.json, the float32 greedy outputs),
 this script scores four ways of making the label against that float32 argmax:
