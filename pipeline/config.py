@@ -69,6 +69,10 @@ class DataConfig:
     reasoning: str = "keep"
     engine: str = "vllm"  # regeneration engine: "vllm" or "hf" (transformers; where vLLM is absent)
     batch_size: int = 32  # hf engine only
+    # Answers of an earlier regeneration to reuse instead of generating them: an earlier run's
+    # prepare/conversations.jsonl(.gz/.xz) or an answers-only seed (data/seeds/). Each is reused only for the exact
+    # prompt it answered (pipeline/seed_answers.py). Not fingerprinted, like an interrupted run's resume cache.
+    seed_answers: str = ""
 
 
 @dataclass
@@ -259,7 +263,7 @@ class Config:
 
 # Keys that change how a step runs but not what it computes.
 NOT_FINGERPRINTED = (("extract", "allow_insufficient_disk"), ("train", "rdzv_backend"), ("train", "rdzv_endpoint"),
-                      ("train", "rdzv_id"), ("verify", "read_workers"))
+                      ("train", "rdzv_id"), ("verify", "read_workers"), ("data", "seed_answers"))
 # Keys that change results only away from their default (the world size changes the global batch): left out of
 # the fingerprint at the default, so runs from before the key existed keep their fingerprint.
 FINGERPRINTED_UNLESS_DEFAULT = {("train", "nproc_per_node"): 1, ("train", "nnodes"): 1, ("eval", "hf_batch_size"): 1,

@@ -20,6 +20,7 @@ from .config import PACKAGED_SOURCES, Config, repo_relative
 from .datasets import LoadReport, load_conversations, load_mtbench, near_duplicates
 from .engines.vllm_offline import Generation
 from .manifest import StepError
+from . import seed_answers
 
 
 SPLIT_DIRS = ("train", "eval")
@@ -186,6 +187,13 @@ def load_mix(cfg: Config, questions: list[str]) -> tuple[list[dict], LoadReport,
         })
     total.kept = len(mix)
     return mix, total, contaminated
+
+
+def preflight(cfg: Config) -> None:
+    """Refusals before the step runner touches prepare's folder."""
+    from .seed_answers import seed_path
+
+    seed_path(cfg)
 
 
 def run(cfg: Config, out: Path) -> dict:
@@ -413,6 +421,11 @@ def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: 
               f"their user turns and the target's answers. To train on the trajectories as given, set "
               f"data.regenerate = \"off\" in {cfg.source_path}.")
     pending = {c["id"]: c for c in selected}
+    seed, seed_file = {}, seed_answers.seed_path(cfg)
+    if seed_file is not None:
+        seed = seed_answers.load(seed_file, set(pending))
+        stats["seeded_answers"] = 0
+        print(f"[prepare] data.seed_answers: {len(seed)} of the {len(pending)} conversations are in {seed_file}")
     history = {c["id"]: [m for m in c["messages"] if m["role"] == "system"] for c in selected}
     users = {c["id"]: [m for m in c["messages"] if m["role"] == "user"] for c in selected}
     rounds = 1 if cfg.data.regenerate == "first_turn" else max(len(u) for u in users.values())
@@ -434,10 +447,20 @@ def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: 
         if not prompts:
             break
         keys = [RegenCache.key(r, p) for p in prompts]
+        reused = sum(k in cache.done for k in keys)
+        found = []
+        if seed:  # seeded answers count as finished work, as the resume cache's do (in memory only: a rerun seeds again)
+            found = [(k, a) for k, a in ((k, seed_answers.answer(seed, cid, r, history[cid], users[cid][r]))
+                                         for k, cid in zip(keys, ids) if k not in cache.done) if a is not None]
+            if found:
+                answer_ids = tok([a for _, a in found], add_special_tokens=False)["input_ids"]
+                cache.done.update((k, Generation(a, i, "length" if len(i) >= cfg.data.max_new_tokens else "stop"))
+                                  for (k, a), i in zip(found, answer_ids))
+            stats["seeded_answers"] += len(found)
         todo = [k for k in keys if k not in cache.done]
-        reused = len(prompts) - len(todo)
         print(f"[prepare] regenerating round {r + 1}/{rounds}: {len(todo)} prompts"
-              + (f" ({reused} reused from an interrupted run, {out / REGEN_CACHE})" if reused else ""))
+              + (f" ({reused} reused from an interrupted run, {out / REGEN_CACHE})" if reused else "")
+              + (f" ({len(found)} seeded from {seed_file})" if found else ""))
         stats["reused_from_interrupted_run"] = stats.get("reused_from_interrupted_run", 0) + reused
         if todo:
             prompt_of = dict(zip(keys, prompts))

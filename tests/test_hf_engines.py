@@ -483,18 +483,21 @@ def _seed_tool(*args, check=True) -> subprocess.CompletedProcess:
                           check=check, cwd=REPO, capture_output=not check, text=True)
 
 
-def _seeded_prepare(runs_dir, name: str, data: dict, earlier, same_as=None) -> dict:
-    """A fresh run seeded (tests/bench/h200/seed_regen_cache.py) with an earlier run's conversations (or their answers): its prepare
-    must generate nothing and end with the same conversations. -> prepare's summary."""
+def _seeded_prepare(runs_dir, name: str, data: dict, earlier, same_as=None, via_config=False) -> dict:
+    """A fresh run seeded with an earlier run's conversations (or their answers), by tests/bench/h200/seed_regen_cache.py
+    or (via_config) by data.seed_answers: its prepare must generate nothing and end with the same conversations.
+    -> prepare's summary."""
     from pipeline import steps
     from pipeline.config import load_config
     from pipeline.engines import hf_engine
     from tests.conftest import SMALL, write_config
 
+    data = {**data, "seed_answers": str(earlier)} if via_config else data
     path = write_config(runs_dir / f"{name}.toml", runs_dir, name, **{**SMALL, "data": data})
     second = load_config(path)
     steps.run(second, "model")
-    _seed_tool("--config", path, earlier)
+    if not via_config:
+        _seed_tool("--config", path, earlier)
 
     def must_not_generate(*a, **kw):
         raise AssertionError("a seeded answer was generated again")
@@ -514,6 +517,8 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
     from pipeline import steps
     from pipeline.config import load_config
     from tests.conftest import SMALL, write_config
+
+    from pipeline.manifest import StepError
 
     topics = ["rivers", "bread", "chess", "volcanoes", "tides"]
     convs = [{"id": f"mt-{i}", "messages": [
@@ -554,6 +559,36 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
     _seed_tool("--answers-only", earlier, answers)
     s = _seeded_prepare(runs_dir, "allturns-c", data, answers, same_as=earlier)
     assert s["reused_from_interrupted_run"] == summary["regenerated_turns"]
+    # data.seed_answers does in prepare what the tool does before it, from either form, with no second pass over
+    # the sources (the device's chain since session 51)
+    for form, seed_file in (("d", answers), ("e", earlier)):
+        s = _seeded_prepare(runs_dir, f"allturns-{form}", data, seed_file, same_as=earlier, via_config=True)
+        assert s["seeded_answers"] == s["regenerated_turns"] == summary["regenerated_turns"], form
+        assert s["reused_from_interrupted_run"] == 0, form
+    # a seed answers only the prompts it answered: where a user turn differs, that conversation is generated (every
+    # round: its later prompts hold the generated answer), and the rest is seeded
+    changed = runs_dir / "allturns-changed.jsonl"
+    lines = [json.loads(x) for x in earlier.read_text().splitlines()]
+    first_user = next(m for m in lines[0]["messages"] if m["role"] == "user")
+    first_user["content"] += " (edited)"
+    changed.write_text("".join(json.dumps(c) + "\n" for c in lines))
+    rounds_0 = sum(m["role"] == "assistant" for m in lines[0]["messages"])
+    cfg = load_config(write_config(runs_dir / "allturns-f.toml", runs_dir, "allturns-f",
+                                   **{**SMALL, "data": {**data, "seed_answers": str(changed)}}))
+    steps.run(cfg, "model")
+    with _one_thread():
+        s = steps.run(cfg, "prepare")["summary"]
+    assert s["seeded_answers"] == summary["regenerated_turns"] - rounds_0
+    assert s["reused_from_interrupted_run"] == 0
+    made = {json.loads(x)["id"]: x for x in (cfg.step_dir("prepare") / "conversations.jsonl").read_text().splitlines()}
+    assert all(json.loads(made[c["id"]]) == c for c in lines[1:])  # the seeded ones, as they were
+    # a seed that is not there is refused before prepare's folder is touched, naming the file and the fix
+    gone = load_config(write_config(runs_dir / "allturns-g.toml", runs_dir, "allturns-g",
+                                    **{**SMALL, "data": {**data, "seed_answers": str(runs_dir / "no-such.jsonl.xz")}}))
+    steps.run(gone, "model")
+    with pytest.raises(StepError, match=r"data\.seed_answers: .*no-such\.jsonl\.xz does not exist.*allturns-g\.toml"):
+        steps.run(gone, "prepare")
+    assert not (gone.step_dir("prepare") / "manifest.json").exists()
     # a session's new answers are merged into the seed by id (the seed is one of the inputs); a clash is refused
     merged = runs_dir / "allturns-merged.jsonl.xz"
     _seed_tool("--answers-only", answers, earlier, merged)

@@ -404,16 +404,16 @@ PY
     run8 model || exit 1
     # the answers that seed prepare (with S8_SET, the mix: data/seeds/, regenerated in session 13 and kept in the
     # repository, so the tree carries them: saves the 558-s regeneration; S8_SEED=FILE another seed, e.g. an earlier
-    # run's conversations staged into data/packages/; seed_regen_cache.py refuses a seed made from other sources)
+    # run's conversations staged into data/packages/; prepare refuses a seed whose .json names other sources)
     MIXSEED=$([ -n "${S8_SET:-}" ] && echo data/seeds/smollm2-135m-instruct-mix-answers.jsonl.xz)
     SEED=${S8_SEED:-${MIXSEED:-data/packages/regenerated-allturns-conversations.jsonl.gz}}   # S8_SEED=none: no seed
-    if [ -f $SEED ] && [ ! -f runs/s8-allturns/prepare/manifest.json ]; then
-      python3 tests/bench/h200/seed_regen_cache.py --config $CONFIG --set "$AT" "${S8[@]}" $SEED
-    fi
-    run8 prepare || exit 1
+    # prepare reads the seed itself (data.seed_answers, session 51): the separate seed step before it read every
+    # source and tokenized every prompt a second time (93 s of session 50's chain; 65 s against 88 s of prepare here)
+    SEEDSET=(); [ -f $SEED ] && SEEDSET=(--set "data.seed_answers=\"$SEED\"")
+    run8 prepare "${SEEDSET[@]}" || exit 1
     # prepare deletes its resume cache when it finishes: the conversations are what seeds the next session, so they
     # are sent whenever prepare regenerated anything the seed lacked (session 10 lost a mix's 4,909 new answers)
-    NEW=$(python3 -c "import json; s=json.load(open('runs/s8-allturns/prepare/manifest.json'))['summary']; print(s['regenerated_turns'] - s.get('reused_from_interrupted_run', 0))")
+    NEW=$(python3 -c "import json; s=json.load(open('runs/s8-allturns/prepare/manifest.json'))['summary']; print(s['regenerated_turns'] - s.get('reused_from_interrupted_run', 0) - s.get('seeded_answers', 0))")
     # (S8_NEW_MIN=N: only when more than N are new; 47 answers of conversations prepare rejects are "new" every run)
     if [ ! -f $SEED ] || [ "${NEW:-1}" -gt "${S8_NEW_MIN:-0}" ]; then
       gzip -c runs/s8-allturns/prepare/conversations.jsonl | split -b 15000000 - $SEND/regen.jsonl.gz.part.

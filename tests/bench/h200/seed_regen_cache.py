@@ -33,6 +33,7 @@ from pipeline.chat import prompt_ids_batch  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.engines.vllm_offline import Generation  # noqa: E402
 from pipeline.prepare import REGEN_CACHE, RegenCache, load_tokenizer, selected_conversations  # noqa: E402
+from pipeline.seed_answers import open_text, sidecar, sidecar_problems  # noqa: E402
 from pipeline.steps import fingerprint  # noqa: E402
 
 
@@ -101,38 +102,12 @@ def main(argv: list[str]) -> int:
 def check_sidecar(seed: Path, cfg) -> None:
     """An answers-only seed is joined to the run's conversations by id: refuse it, naming the file, when its .json
     says it was made from other source files (same tag, other sha256) or with another answer length or sampling."""
-    from pipeline.manifest import sha256_file
-    from pipeline.prepare import source_tags
-
-    side = seed.with_name(seed.name.removesuffix(".gz").removesuffix(".xz").removesuffix(".jsonl") + ".json")
-    if not side.exists():
-        print(f"[seed] WARNING: no {side.name} beside {seed}: sources and settings not checked", file=sys.stderr)
-        return
-    made = json.loads(side.read_text())
-    problems = []
-    recorded = {x["tag"]: x["sha256"] for x in made.get("sources", [])}
-    for tag, path in zip(source_tags(cfg.data.sources or [cfg.data.path]), cfg.data.sources or [cfg.data.path]):
-        if tag in recorded and path and Path(path).exists() and sha256_file(Path(path)) != recorded[tag]:
-            problems.append(f"source {path} is not the file the answers were made from (sha256 {recorded[tag][:12]}...)")
-    for key in ("max_new_tokens", "temperature"):
-        want = made.get("settings", {}).get(key)
-        if want is not None and getattr(cfg.data, key) != want:
-            problems.append(f"data.{key} = {getattr(cfg.data, key)}, the seed was made with {want}")
-    if problems:
-        sys.exit(f"[seed] {seed} does not fit this run ({side.name}): " + "; ".join(problems)
+    problems = sidecar_problems(seed, cfg)
+    if problems is None:
+        print(f"[seed] WARNING: no {sidecar(seed).name} beside {seed}: sources and settings not checked", file=sys.stderr)
+    elif problems:
+        sys.exit(f"[seed] {seed} does not fit this run ({sidecar(seed).name}): " + "; ".join(problems)
                  + ". Run without it (S8_SEED=none) or rebuild the sources it names.")
-
-
-def open_text(path: Path):
-    """gzip, xz or plain text, by the bytes, not the name: the device returns files split as <name>.part.aa,
-    .part.ab (join the pieces first: `cat <name>.part.* > <name>`)."""
-    with open(path, "rb") as f:
-        head = f.read(6)
-    if head[:2] == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8")
-    if head == b"\xfd7zXZ\x00":
-        return lzma.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
 
 
 def answers_only(sources: list[Path], out: Path) -> int:
