@@ -13,6 +13,7 @@ import json
 import math
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from .chat import REASONING_MODES, THINK_CLOSE, THINK_OPEN, TemplateError, prompt_ids_batch, tokenize_conversations
@@ -191,9 +192,7 @@ def load_mix(cfg: Config, questions: list[str]) -> tuple[list[dict], LoadReport,
 
 def preflight(cfg: Config) -> None:
     """Refusals before the step runner touches prepare's folder."""
-    from .seed_answers import seed_path
-
-    seed_path(cfg)
+    seed_answers.seed_path(cfg)
 
 
 def run(cfg: Config, out: Path) -> dict:
@@ -421,11 +420,13 @@ def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: 
               f"their user turns and the target's answers. To train on the trajectories as given, set "
               f"data.regenerate = \"off\" in {cfg.source_path}.")
     pending = {c["id"]: c for c in selected}
-    seed, seed_file = {}, seed_answers.seed_path(cfg)
+    seed, seed_file = None, seed_answers.seed_path(cfg, check=False)  # checked by preflight
     if seed_file is not None:
-        seed = seed_answers.load(seed_file, set(pending))
+        seed = seed_answers.Seed(seed_file, set(pending) | {c["origin"] for c in selected if "origin" in c})
+        stats["seed_answers"] = {"path": repo_relative(seed_file), "sha256": seed.sha256}
         stats["seeded_answers"] = 0
-        print(f"[prepare] data.seed_answers: {len(seed)} of the {len(pending)} conversations are in {seed_file}")
+        print(f"[prepare] data.seed_answers: {seed_file}: {len(seed.by_id)} conversations' answers by id, "
+              f"{len(seed.by_prompt)} answers by prompt")
     history = {c["id"]: [m for m in c["messages"] if m["role"] == "system"] for c in selected}
     users = {c["id"]: [m for m in c["messages"] if m["role"] == "user"] for c in selected}
     rounds = 1 if cfg.data.regenerate == "first_turn" else max(len(u) for u in users.values())
@@ -450,7 +451,8 @@ def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: 
         reused = sum(k in cache.done for k in keys)
         found = []
         if seed:  # seeded answers count as finished work, as the resume cache's do (in memory only: a rerun seeds again)
-            found = [(k, a) for k, a in ((k, seed_answers.answer(seed, cid, r, history[cid], users[cid][r]))
+            found = [(k, a) for k, a in ((k, seed.answer((cid, pending[cid].get("origin", cid)), r, history[cid],
+                                                         users[cid][r]))
                                          for k, cid in zip(keys, ids) if k not in cache.done) if a is not None]
             if found:
                 answer_ids = tok([a for _, a in found], add_special_tokens=False)["input_ids"]
@@ -474,6 +476,9 @@ def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: 
             history[cid] += [users[cid][r], {"role": "assistant", "content": content or ""}]
             stats["regenerated_turns"] += 1
             stats["truncated_at_max_new_tokens"] += g.finish_reason == "length"
+    if seed is not None and not stats["seeded_answers"]:
+        print(f"[prepare] warning: data.seed_answers: {seed_file} answered none of this run's prompts (other "
+              f"conversations, sources or earlier answers); every answer was generated", file=sys.stderr)
     for c in selected:
         turns = history[c["id"]]
         if any(m["role"] == "assistant" and not m["content"] for m in turns):

@@ -1,26 +1,32 @@
 """`data.seed_answers`: answers of an earlier regeneration that `prepare` reuses instead of generating them again.
 
-The file is an earlier run's `prepare/conversations.jsonl` (plain, gzip or xz) or the answers-only form
-`{"id", "answers": [...]}` per conversation that `tests/bench/h200/seed_regen_cache.py --answers-only` writes
-(data/seeds/ keeps one: the target's answers without the prompts). An answer is reused only for the exact prompt it
-answered: the same conversation id, the same system and user turns up to its round (an answers-only file takes
-them from this run's own sources), and the same earlier answers. Anything else is generated, and a conversation
-whose earlier answer was generated here gets no seeded answer after it. Prepare counts them (`seeded_answers`).
+Two forms, plain, gzip or xz:
+- an earlier run's `prepare/conversations.jsonl` (records with "regenerated": true). An answer is reused for the
+  prompt it answered, found by content: the same system turns, the same user turns up to its round and the same
+  earlier answers, whatever the conversation's id;
+- the answers-only form, `{"id", "answers": [...]}` per conversation, that `tests/bench/h200/seed_regen_cache.py
+  --answers-only` writes (data/seeds/ keeps one: the target's answers without the prompts). The prompts are this
+  run's own: a conversation's answers are found by its id (a weighted copy "<id>#k" by its original's), and an
+  answer is reused while the earlier answers in this run's context are the seed's.
+Everything else is generated, and prepare counts what was seeded (`seeded_answers`, with the seed's sha256).
 
-Like an interrupted run's resume cache, a seed saves generating and is not in prepare's fingerprint: its answers are
-the same target's greedy answers (made on another machine, they can differ after a near-tie: NOTES "Session 29").
-A seed's `.json` record beside it (same name, `.json` for `.jsonl[.gz|.xz]`), where there is one, must name the same
-source files (sha256) and the same `max_new_tokens` and `temperature`, or the seed is refused.
+Like an interrupted run's resume cache, a seed saves generating and is not in prepare's fingerprint: it must hold the
+same target's greedy answers. What can be checked is, before prepare touches its folder: an answers-only seed's
+`.json` record beside it (same name, `.json` for `.jsonl[.gz|.xz]`) must name the same source files (sha256) and the
+same `max_new_tokens` and `temperature`; a `conversations.jsonl`'s `manifest.json` beside it must show the same
+sampling settings and a regeneration, and a warning says when its target's hash is not this run's (the same weights
+converted by another transformers version hash differently).
 """
 from __future__ import annotations
 
 import gzip
 import json
 import lzma
+import sys
 from pathlib import Path
 
 from .config import Config
-from .manifest import StepError, sha256_file
+from .manifest import StepError, read_manifest, sha256_file
 
 
 def open_text(path: Path):
@@ -39,77 +45,141 @@ def sidecar(seed: Path) -> Path:
 
 
 def sidecar_problems(seed: Path, cfg: Config) -> list[str] | None:
-    """Why the seed's .json record says it was made for other sources or settings ([] if it fits), None if it has
-    no record."""
+    """Why an answers-only seed's .json record says it was made for other sources or settings ([] if it fits), None
+    if it has no record."""
     from .prepare import source_tags
 
     side = sidecar(seed)
     if not side.exists():
         return None
-    made = json.loads(side.read_text())
+    try:
+        made = json.loads(side.read_text())
+        recorded = {x["tag"]: x["sha256"] for x in made.get("sources", [])}
+        settings = made.get("settings", {})
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        return [f"{side} is not a seed's record ({type(e).__name__}: {e})"]
     problems = []
-    recorded = {x["tag"]: x["sha256"] for x in made.get("sources", [])}
     sources = cfg.data.sources or [cfg.data.path]
     for tag, path in zip(source_tags(sources), sources):
         if tag in recorded and path and cfg.path(path).exists() and sha256_file(cfg.path(path)) != recorded[tag]:
             problems.append(f"source {path} is not the file the answers were made from (sha256 {recorded[tag][:12]}...)")
     for key in ("max_new_tokens", "temperature"):
-        want = made.get("settings", {}).get(key)
+        want = settings.get(key)
         if want is not None and getattr(cfg.data, key) != want:
             problems.append(f"data.{key} = {getattr(cfg.data, key)}, the seed was made with {want}")
     return problems
 
 
-def seed_path(cfg: Config) -> Path | None:
-    """data.seed_answers resolved, checked before prepare touches its folder; None when unset."""
+def _answers_only(path: Path) -> bool:
+    """Whether the seed is in the answers-only form (else a conversations.jsonl, refused here when its first record
+    was not regenerated: a data file, not a prepare output; Seed checks every record)."""
+    with open_text(path) as f:
+        first = f.readline()
+    try:
+        rec = json.loads(first)
+    except json.JSONDecodeError:
+        raise StepError(f"data.seed_answers: {path} is not JSON lines (its first line does not parse)") from None
+    if "answers" in rec:
+        return True
+    if not rec.get("regenerated"):
+        raise StepError(f"data.seed_answers: {path} line 1: conversation {rec.get('id')} was not regenerated by a "
+                        f"target (no \"regenerated\": true); a seed is a prepare output of a run that regenerated, "
+                        f"or an answers-only seed")
+    return False
+
+
+def _run_manifest_problems(path: Path, cfg: Config) -> list[str] | None:
+    """For a conversations.jsonl seed: what its prepare's manifest.json beside it contradicts (None: no manifest)."""
+    m = read_manifest(path.parent) if path.name == "conversations.jsonl" else None
+    if not m:
+        return None
+    data = m.get("config_sections", {}).get("data", {})
+    problems = []
+    if data.get("regenerate", "off") == "off":
+        problems.append("its run did not regenerate (data.regenerate = \"off\"): its answers are not the target's")
+    for key in ("max_new_tokens", "temperature"):
+        if key in data and data[key] != getattr(cfg.data, key):
+            problems.append(f"data.{key} = {getattr(cfg.data, key)}, the seed's run had {data[key]}")
+    ours = read_manifest(cfg.step_dir("model")) or {}
+    theirs = m.get("inputs", {}).get("model")
+    if theirs and ours.get("outputs_hash") and theirs != ours["outputs_hash"]:
+        print(f"[prepare] warning: data.seed_answers: {path}'s run had the target {theirs[:12]}..., this run has "
+              f"{ours['outputs_hash'][:12]}... (another conversion of the same weights, or another target: if the "
+              f"target changed, its answers are not this target's; set data.seed_answers = \"\")", file=sys.stderr)
+    return problems
+
+
+def seed_path(cfg: Config, check: bool = True) -> Path | None:
+    """data.seed_answers resolved and (check) its provenance checked, before prepare touches its folder; None when
+    unset."""
     if not cfg.data.seed_answers:
         return None
     path = cfg.path(cfg.data.seed_answers)
-    fix = f"Fix data.seed_answers in {cfg.source_path}, or set it to \"\" to generate every answer"
+    fix = (f"Fix data.seed_answers in {cfg.source_path} (or the --set that gives it), or set it to \"\" to generate "
+           f"every answer")
     if cfg.data.regenerate == "off":
         raise StepError(f"data.seed_answers = {cfg.data.seed_answers!r} but data.regenerate = \"off\": nothing is "
                         f"generated, so nothing can be seeded. {fix}")
     if not path.is_file():
-        raise StepError(f"data.seed_answers: {path} does not exist. {fix}")
-    problems = sidecar_problems(path, cfg)
+        raise StepError(f"data.seed_answers: {path} is not a file. {fix}")
+    if not check:
+        return path
+    if _answers_only(path):
+        problems = sidecar_problems(path, cfg)
+        if problems is None:
+            print(f"[prepare] warning: data.seed_answers: no {sidecar(path).name} beside {path}: its sources and "
+                  f"settings are not checked", file=sys.stderr)
+    else:
+        problems = _run_manifest_problems(path, cfg)
+        if problems is None:
+            print(f"[prepare] warning: data.seed_answers: no prepare manifest.json beside {path}: its run's "
+                  f"settings are not checked", file=sys.stderr)
     if problems:
-        raise StepError(f"data.seed_answers: {path} does not fit this run ({sidecar(path).name}): "
-                        + "; ".join(problems) + f". {fix}")
+        raise StepError(f"data.seed_answers: {path} does not fit this run: " + "; ".join(problems) + f". {fix}")
     return path
 
 
-def load(path: Path, ids: set[str]) -> dict[str, dict]:
-    """The seed's conversations among `ids`: id -> {"system": [...] or None, "users": [...] or None, "answers": [...]}
-    (None: an answers-only record, whose turns are this run's own)."""
-    seed = {}
-    with open_text(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec["id"] not in ids:
-                continue
-            if "answers" in rec:
-                seed[rec["id"]] = {"system": None, "users": None, "answers": rec["answers"]}
-            else:
+class Seed:
+    """The seed's answers: by_id (answers-only records: id -> answers) and by_prompt (conversations.jsonl records:
+    (system turns, user turns up to round r, answers before r) -> the answer to round r)."""
+
+    def __init__(self, path: Path, ids: set[str]):
+        self.path, self.sha256 = path, sha256_file(path)
+        self.by_id: dict[str, list[str]] = {}
+        self.by_prompt: dict[tuple, str] = {}
+        with open_text(path) as f:
+            for n, line in enumerate(f, 1):
+                rec = json.loads(line)
+                if "answers" in rec:
+                    if rec["id"] in ids and self.by_id.setdefault(rec["id"], rec["answers"]) != rec["answers"]:
+                        raise StepError(f"data.seed_answers: {path} line {n}: conversation {rec['id']} again, with "
+                                        f"other answers; keep one (seed_regen_cache.py --answers-only merges by id)")
+                    continue
+                if not rec.get("regenerated"):
+                    raise StepError(f"data.seed_answers: {path} line {n}: conversation {rec.get('id')} was not "
+                                    f"regenerated by a target (no \"regenerated\": true); a seed is a prepare "
+                                    f"output of a run that regenerated, or an answers-only seed")
                 msgs = rec["messages"]
-                seed[rec["id"]] = {"system": [m["content"] for m in msgs if m["role"] == "system"],
-                                   "users": [m["content"] for m in msgs if m["role"] == "user"],
-                                   "answers": [m["content"] for m in msgs if m["role"] == "assistant"]}
-    return seed
+                system = tuple(m["content"] for m in msgs if m["role"] == "system")
+                users = [m["content"] for m in msgs if m["role"] == "user"]
+                answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+                for r, a in enumerate(answers[: len(users)]):
+                    self.by_prompt.setdefault((system, tuple(users[: r + 1]), tuple(answers[:r])), a)
 
+    def __len__(self) -> int:
+        return len(self.by_id) + len(self.by_prompt)
 
-def answer(seed: dict[str, dict], cid: str, round_: int, history: list[dict], user: dict) -> str | None:
-    """The seeded answer to round `round_` of conversation `cid`, whose context so far is `history` (system turns,
-    then user and assistant turns) and whose next user turn is `user`, or None where the seed did not answer this
-    very prompt."""
-    s = seed.get(cid)
-    if s is None or round_ >= len(s["answers"]):
-        return None
-    answers = [m["content"] for m in history if m["role"] == "assistant"]
-    if answers != s["answers"][:round_]:
-        return None
-    if s["users"] is not None:
-        users = [m["content"] for m in history if m["role"] == "user"] + [user["content"]]
-        system = [m["content"] for m in history if m["role"] == "system"]
-        if users != s["users"][:round_ + 1] or system != s["system"]:
+    def answer(self, ids: tuple[str, ...], round_: int, history: list[dict], user: dict) -> str | None:
+        """The seeded answer to round `round_` of the conversation known by `ids` (its id, then its original's),
+        whose context so far is `history` (system turns, then user and assistant turns) and whose next user turn is
+        `user`, or None where the seed did not answer this very prompt."""
+        answers = [m["content"] for m in history if m["role"] == "assistant"]
+        for cid in ids:
+            s = self.by_id.get(cid)
+            if s is not None:
+                return s[round_] if round_ < len(s) and s[:round_] == answers else None
+        if not self.by_prompt:
             return None
-    return s["answers"][round_]
+        system = tuple(m["content"] for m in history if m["role"] == "system")
+        users = tuple(m["content"] for m in history if m["role"] == "user") + (user["content"],)
+        return self.by_prompt.get((system, users, tuple(answers)))

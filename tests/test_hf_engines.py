@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gzip
+import hashlib
 import json
 import lzma
 import subprocess
@@ -459,9 +460,8 @@ def test_prepare_refuses_an_empty_eval_split(smollm2, runs_dir, work):
 
 
 def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
-    """tests/bench/h200/seed_regen_cache.py (how a GPU session skips regenerating): a fresh run seeded with an
-    earlier run's conversations generates nothing and ends with the same conversations; a prompt that differs
-    in any token would not match (the cache is keyed by prompt token ids)."""
+    """data.seed_answers (how a GPU session skips regenerating): a fresh run seeded with an earlier run's
+    conversations generates nothing and ends with the same conversations."""
     from pipeline import steps
     from pipeline.config import load_config
     from tests.conftest import SMALL, write_config
@@ -474,30 +474,27 @@ def test_prepare_reuses_answers_seeded_from_an_earlier_run(smollm2, runs_dir):
     earlier = first.step_dir("prepare") / "conversations.jsonl"
 
     s = _seeded_prepare(runs_dir, "seed-b", data, earlier)
-    assert s["reused_from_interrupted_run"] == s["regenerated_turns"] > 0
+    assert s["seeded_answers"] == s["regenerated_turns"] > 0 and s["reused_from_interrupted_run"] == 0
+    assert s["seed_answers"]["sha256"] == hashlib.sha256(earlier.read_bytes()).hexdigest()
 
 
 def _seed_tool(*args, check=True) -> subprocess.CompletedProcess:
-    """tests/bench/h200/seed_regen_cache.py ARGS, as the device's chain runs it (its own process, from the repo)."""
+    """tests/bench/h200/seed_regen_cache.py ARGS (--answers-only: the repository's seed), in its own process."""
     return subprocess.run([sys.executable, str(REPO / "tests/bench/h200/seed_regen_cache.py"), *map(str, args)],
                           check=check, cwd=REPO, capture_output=not check, text=True)
 
 
-def _seeded_prepare(runs_dir, name: str, data: dict, earlier, same_as=None, via_config=False) -> dict:
-    """A fresh run seeded with an earlier run's conversations (or their answers), by tests/bench/h200/seed_regen_cache.py
-    or (via_config) by data.seed_answers: its prepare must generate nothing and end with the same conversations.
-    -> prepare's summary."""
+def _seeded_prepare(runs_dir, name: str, data: dict, earlier, same_as=None) -> dict:
+    """A fresh run with data.seed_answers = an earlier run's conversations (or their answers): its prepare must
+    generate nothing and end with the same conversations. -> prepare's summary."""
     from pipeline import steps
     from pipeline.config import load_config
     from pipeline.engines import hf_engine
     from tests.conftest import SMALL, write_config
 
-    data = {**data, "seed_answers": str(earlier)} if via_config else data
-    path = write_config(runs_dir / f"{name}.toml", runs_dir, name, **{**SMALL, "data": data})
-    second = load_config(path)
+    second = load_config(write_config(runs_dir / f"{name}.toml", runs_dir, name,
+                                      **{**SMALL, "data": {**data, "seed_answers": str(earlier)}}))
     steps.run(second, "model")
-    if not via_config:
-        _seed_tool("--config", path, earlier)
 
     def must_not_generate(*a, **kw):
         raise AssertionError("a seeded answer was generated again")
@@ -552,27 +549,23 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
         assert len(users) == (1 if c["id"] == "mt-long" else 3)
 
     s = _seeded_prepare(runs_dir, "allturns-b", data, earlier)
-    assert s["reused_from_interrupted_run"] == s["regenerated_turns"] == summary["regenerated_turns"]
+    assert s["seeded_answers"] == s["regenerated_turns"] == summary["regenerated_turns"]
+    assert s["reused_from_interrupted_run"] == 0
     # the answers-only form (data/seeds/: the target's answers without the prompts, xz as the repository keeps it)
-    # seeds exactly as well
+    # seeds exactly as well, its prompts from this run's own source
     answers = runs_dir / "allturns-answers.jsonl.xz"
     _seed_tool("--answers-only", earlier, answers)
     s = _seeded_prepare(runs_dir, "allturns-c", data, answers, same_as=earlier)
-    assert s["reused_from_interrupted_run"] == summary["regenerated_turns"]
-    # data.seed_answers does in prepare what the tool does before it, from either form, with no second pass over
-    # the sources (the device's chain since session 51)
-    for form, seed_file in (("d", answers), ("e", earlier)):
-        s = _seeded_prepare(runs_dir, f"allturns-{form}", data, seed_file, same_as=earlier, via_config=True)
-        assert s["seeded_answers"] == s["regenerated_turns"] == summary["regenerated_turns"], form
-        assert s["reused_from_interrupted_run"] == 0, form
-    # a seed answers only the prompts it answered: where a user turn differs, that conversation is generated (every
-    # round: its later prompts hold the generated answer), and the rest is seeded
+    assert s["seeded_answers"] == summary["regenerated_turns"]
+    # a seed answers only the prompts it answered: where a user turn in its context differs, that conversation is
+    # generated (its later rounds too: the seed's context for them holds the edited turn), and the rest is seeded
     changed = runs_dir / "allturns-changed.jsonl"
     lines = [json.loads(x) for x in earlier.read_text().splitlines()]
     first_user = next(m for m in lines[0]["messages"] if m["role"] == "user")
     first_user["content"] += " (edited)"
     changed.write_text("".join(json.dumps(c) + "\n" for c in lines))
     rounds_0 = sum(m["role"] == "assistant" for m in lines[0]["messages"])
+    assert rounds_0 > 1
     cfg = load_config(write_config(runs_dir / "allturns-f.toml", runs_dir, "allturns-f",
                                    **{**SMALL, "data": {**data, "seed_answers": str(changed)}}))
     steps.run(cfg, "model")
@@ -582,13 +575,31 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
     assert s["reused_from_interrupted_run"] == 0
     made = {json.loads(x)["id"]: x for x in (cfg.step_dir("prepare") / "conversations.jsonl").read_text().splitlines()}
     assert all(json.loads(made[c["id"]]) == c for c in lines[1:])  # the seeded ones, as they were
-    # a seed that is not there is refused before prepare's folder is touched, naming the file and the fix
-    gone = load_config(write_config(runs_dir / "allturns-g.toml", runs_dir, "allturns-g",
-                                    **{**SMALL, "data": {**data, "seed_answers": str(runs_dir / "no-such.jsonl.xz")}}))
-    steps.run(gone, "model")
-    with pytest.raises(StepError, match=r"data\.seed_answers: .*no-such\.jsonl\.xz does not exist.*allturns-g\.toml"):
-        steps.run(gone, "prepare")
-    assert not (gone.step_dir("prepare") / "manifest.json").exists()
+
+    # refusals, each naming the file and the fix, before prepare's folder is touched: a seed that is not there (a
+    # --force of the finished allturns-b run keeps its outputs), the source's answers themselves (never regenerated),
+    # an answers-only seed whose .json names another file under the same source tag, a run that regenerates nothing
+    done = runs_dir / "allturns-b" / "prepare" / "manifest.json"
+    before = done.read_bytes()
+
+    def refused(name: str, pattern: str, **data_keys) -> None:
+        c = load_config(write_config(runs_dir / f"{name}.toml", runs_dir, name,
+                                     **{**SMALL, "data": {**data, **data_keys}}))
+        steps.run(c, "model")
+        with pytest.raises(StepError, match=pattern):
+            steps.run(c, "prepare", force=True)
+
+    refused("allturns-b", r"data\.seed_answers: .*no-such\.jsonl\.xz is not a file.*allturns-b\.toml.*set it to",
+            seed_answers=str(runs_dir / "no-such.jsonl.xz"))
+    assert done.read_bytes() == before
+    refused("allturns-h", r"line 1: conversation .* was not regenerated", seed_answers=str(src))
+    (runs_dir / "allturns-answers.json").write_text(json.dumps({"sources": [{"tag": "multi-turn", "sha256": "0" * 64}]}))
+    refused("allturns-i", r"does not fit this run: source .*multi-turn\.jsonl is not the file the answers were made from",
+            seed_answers=str(answers))
+    (runs_dir / "allturns-answers.json").write_text(json.dumps({"settings": {"max_new_tokens": 999}}))
+    refused("allturns-i", r"data\.max_new_tokens = 8, the seed was made with 999", seed_answers=str(answers))
+    (runs_dir / "allturns-answers.json").unlink()
+    refused("allturns-j", r"data\.regenerate = \"off\": nothing is generated", seed_answers=str(answers), regenerate="off")
     # a session's new answers are merged into the seed by id (the seed is one of the inputs); a clash is refused
     merged = runs_dir / "allturns-merged.jsonl.xz"
     _seed_tool("--answers-only", answers, earlier, merged)
@@ -602,7 +613,3 @@ def test_all_turn_regeneration_keeps_the_context_and_seeds_exactly(smollm2, runs
     other.write_text(json.dumps({"id": rec["id"], "answers": ["another answer"]}) + "\n")
     clash = _seed_tool("--answers-only", answers, other, merged, check=False)
     assert clash.returncode != 0 and rec["id"] in clash.stderr, clash.stderr
-    # joined by id alone, so a seed whose .json names another file under the same source tag is refused
-    (runs_dir / "allturns-answers.json").write_text(json.dumps({"sources": [{"tag": "multi-turn", "sha256": "0" * 64}]}))
-    bad = _seed_tool("--config", runs_dir / "allturns-c.toml", answers, check=False)
-    assert bad.returncode != 0 and "is not the file the answers were made from" in bad.stderr, bad.stderr

@@ -21,10 +21,8 @@ SETS=(--set run.name="$NAME" --set "data.sources=[\"$SRC\"]" --set data.max_conv
       --set 'data.regenerate="all_turns"' --set vocab.draft_vocab_size=49152 --set train.mask_loops=true
       --set train.init_from=data/drafters/smollm2-135m-instruct --set train.lr=2e-4 --set train.epochs=1
       --set train.total_seq_len=2048 --set train.max_samples=1024)
+[ -n "$SEED" ] && SETS+=(--set "data.seed_answers=\"$SEED\"")   # prepare reuses its answers (session 51)
 .venv/bin/python -m pipeline model --config $C "${SETS[@]}"
-if [ -n "$SEED" ]; then
-  .venv/bin/python tests/bench/h200/seed_regen_cache.py --config $C "${SETS[@]}" "$SEED"
-fi
 for step in prepare extract verify vocab train; do
   t=$(date +%s)
   .venv/bin/python -m pipeline $step --config $C "${SETS[@]}"

