@@ -70,8 +70,9 @@ class DataConfig:
     engine: str = "vllm"  # regeneration engine: "vllm" or "hf" (transformers; where vLLM is absent)
     batch_size: int = 32  # hf engine only
     # Answers of an earlier regeneration to reuse instead of generating them: an earlier run's
-    # prepare/conversations.jsonl(.gz/.xz) or an answers-only seed (data/seeds/). Each is reused only for the exact
-    # prompt it answered (pipeline/seed_answers.py). Not fingerprinted, like an interrupted run's resume cache.
+    # prepare/conversations.jsonl(.gz/.xz) (found by the prompt's text) or an answers-only seed (data/seeds/: by
+    # conversation id, with this run's prompts); pipeline/seed_answers.py. It must hold this target's greedy answers.
+    # Not fingerprinted, like an interrupted run's resume cache.
     seed_answers: str = ""
 
 

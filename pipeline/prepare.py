@@ -478,7 +478,7 @@ def regenerate_rounds(cfg: Config, tok, selected: list[dict], out: Path, cache: 
             stats["truncated_at_max_new_tokens"] += g.finish_reason == "length"
     if seed is not None and not stats["seeded_answers"]:
         print(f"[prepare] warning: data.seed_answers: {seed_file} answered none of this run's prompts (other "
-              f"conversations, sources or earlier answers); every answer was generated", file=sys.stderr)
+              f"conversations, sources or earlier answers)", file=sys.stderr)
     for c in selected:
         turns = history[c["id"]]
         if any(m["role"] == "assistant" and not m["content"] for m in turns):
