@@ -66,11 +66,13 @@ def sidecar_problems(seed: Path, cfg: Config) -> list[str] | None:
     for tag, path in zip(source_tags(sources), sources):
         if tag in recorded and path and cfg.path(path).exists() and sha256_file(cfg.path(path)) != recorded[tag]:
             problems.append(f"source {path} is not the file the answers were made from (sha256 {recorded[tag][:12]}...)")
-    for key in ("max_new_tokens", "temperature"):
-        want = settings.get(key)
-        if want is not None and getattr(cfg.data, key) != want:
-            problems.append(f"data.{key} = {getattr(cfg.data, key)}, the seed was made with {want}")
-    return problems
+    return problems + _settings_problems(settings, cfg, "the seed was made with")
+
+
+def _settings_problems(settings: dict, cfg: Config, had: str) -> list[str]:
+    """The sampling settings a seed's record names that are not this run's (they change every answer)."""
+    return [f"data.{key} = {getattr(cfg.data, key)}, {had} {settings[key]}" for key in ("max_new_tokens", "temperature")
+            if settings.get(key) is not None and settings[key] != getattr(cfg.data, key)]
 
 
 def _form(path: Path, fix: str) -> str:
@@ -135,9 +137,7 @@ def _run_manifest_problems(path: Path, cfg: Config) -> list[str] | None:
     if data.get("regenerate", "off") == "off":
         problems.append(f"its run did not regenerate ({found}: data.regenerate = \"off\"): its answers are not the "
                         f"target's")
-    for key in ("max_new_tokens", "temperature"):
-        if key in data and data[key] != getattr(cfg.data, key):
-            problems.append(f"data.{key} = {getattr(cfg.data, key)}, the seed's run had {data[key]} ({found})")
+    problems += [f"{p} ({found})" for p in _settings_problems(data, cfg, "the seed's run had")]
     ours = read_manifest(cfg.step_dir("model")) or {}
     if theirs and ours.get("outputs_hash") and theirs != ours["outputs_hash"]:
         print(f"[prepare] warning: data.seed_answers: {path}'s run had the target {theirs[:12]}... ({found}), this "
