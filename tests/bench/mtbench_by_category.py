@@ -7,7 +7,12 @@ decodes the same 80 MT-bench first turns with the transformers evaluator (`pipel
 greedy chain speculative decoding, K from the config, the engine `pipeline.evaluate --set eval.engine=hf` runs,
 whose counters agree with vLLM's under test) and sums its counters per category. Each drafter's overall AL is
 printed beside its categories, to compare with the vLLM figure (float32 on CPU, as the evaluator).
-Prints a table (drafters x categories) and writes it as JSON with --out.
+Prints a table (drafters x categories) and writes it as JSON with --out, each prompt's counters included.
+
+With two or more drafters it also prints each one's difference from the first, paired by prompt, with a 95 %
+bootstrap interval over the 80 prompts (resampled together for both drafters; AL is a ratio of sums, so whole
+prompts are resampled, not tokens). The interval is what MT-bench's choice of prompts alone allows; it says
+nothing of the run-to-run spread of training, which adds to it.
 
 --target-confidence adds the target's own confidence per category, without any drafter: along its greedy output
 of each prompt (one forward over prompt + output), the mean probability of its top token and the share of
@@ -37,12 +42,30 @@ from pipeline.engines.hf_spec_eval import Eagle3Draft, decode  # noqa: E402
 from pipeline.evaluate import first_turns, spec_metrics  # noqa: E402
 
 COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+BOOTSTRAP = 10000
 
 
 def total(stats: list[dict]) -> dict:
     """decode()'s counters of several prompts, summed."""
     return {**{f: sum(s[f] for s in stats) for f in COUNTERS},
             "accepted_per_pos": [sum(a) for a in zip(*(s["accepted_per_pos"] for s in stats))]}
+
+
+def paired_difference(a: list[dict], b: list[dict], k: int, seed: int = 0) -> dict:
+    """AL(b) - AL(a) over the same prompts (per-prompt counters, in order), with the 2.5 and 97.5 percentiles of
+    the difference when the prompts are resampled with replacement (the same draw for both) BOOTSTRAP times."""
+    import random
+
+    def al(stats, idx):
+        drafts = sum(stats[i]["drafts"] for i in idx)
+        return 1 + sum(stats[i]["accepted_tokens"] for i in idx) / drafts if drafts else 1.0
+
+    everyone = range(len(a))
+    rng = random.Random(seed)
+    diffs = sorted(al(b, idx) - al(a, idx) for idx in ([rng.randrange(len(a)) for _ in everyone] for _ in range(BOOTSTRAP)))
+    return {"diff": round(al(b, everyone) - al(a, everyone), 4), "ci95": [round(diffs[int(0.025 * BOOTSTRAP)], 4),
+            round(diffs[int(0.975 * BOOTSTRAP) - 1], 4)], "prompts_higher": sum(
+            al(b, [i]) > al(a, [i]) for i in everyone), "prompts_lower": sum(al(b, [i]) < al(a, [i]) for i in everyone)}
 
 
 def target_confidence(target, prompts: list[tuple[str, list[int]]], max_tokens: int, max_len: int,
@@ -87,14 +110,17 @@ def main() -> int:
     for spec in args.drafters:
         name, _, path = spec.partition("=")
         draft = Eagle3Draft(path, target, getattr(torch, cfg.eval.dtype), dev)
-        per = defaultdict(lambda: {**dict.fromkeys(COUNTERS, 0), "accepted_per_pos": [0] * k})
+        prompt_stats = []
         t0 = time.time()
         for cat, ids in prompts:
-            decode(target, ids, max_tokens=max_tokens, max_model_len=max_len, stop=stop, draft=draft, k=k, stats=per[cat])
-        per["all"] = total(list(per.values()))
+            prompt_stats.append({**dict.fromkeys(COUNTERS, 0), "accepted_per_pos": [0] * k})
+            decode(target, ids, max_tokens=max_tokens, max_model_len=max_len, stop=stop, draft=draft, k=k,
+                   stats=prompt_stats[-1])
+        per = {cat: total([s for (c, _), s in zip(prompts, prompt_stats) if c == cat]) for cat, _ in prompts}
+        per["all"] = total(prompt_stats)
         table[name] = {"path": path, "seconds": round(time.time() - t0, 1),
                        "al": {c: round(spec_metrics(v, k)["acceptance_length"], 3) for c, v in per.items()},
-                       "counters": dict(per)}
+                       "counters": per, "per_prompt": prompt_stats}
         print(f"[by-category] {name}: AL {table[name]['al']['all']:.3f} over {len(prompts)} prompts "
               f"({table[name]['seconds']} s)", flush=True)
     cats = list(dict.fromkeys(c for c, _ in prompts)) + ["all"]
@@ -102,6 +128,12 @@ def main() -> int:
     print("|---" * (len(cats) + 1) + "|")
     for name, r in table.items():
         print(f"| {name} | " + " | ".join(f"{r['al'][c]:.3f}" for c in cats) + " |")
+    names = list(table)
+    for name in names[1:]:
+        table[name]["vs_first"] = paired_difference(table[names[0]]["per_prompt"], table[name]["per_prompt"], k)
+        d = table[name]["vs_first"]
+        print(f"[by-category] {name} - {names[0]}: {d['diff']:+.4f} AL, 95 % interval over prompts "
+              f"[{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]; higher on {d['prompts_higher']}, lower on {d['prompts_lower']}")
     confidence = target_confidence(target, prompts, max_tokens, max_len, stop) if args.target_confidence else None
     if confidence:
         for key, what in (("mean_top1", "target: mean top-1 probability"), ("share_under_half", "target: top-1 < 0.5")):
