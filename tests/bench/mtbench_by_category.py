@@ -51,9 +51,11 @@ def total(stats: list[dict]) -> dict:
             "accepted_per_pos": [sum(a) for a in zip(*(s["accepted_per_pos"] for s in stats))]}
 
 
-def paired_difference(a: list[dict], b: list[dict], k: int, seed: int = 0) -> dict:
+def paired_difference(a: list[dict], b: list[dict], seed: int = 0) -> dict:
     """AL(b) - AL(a) over the same prompts (per-prompt counters, in order), with the 2.5 and 97.5 percentiles of
-    the difference when the prompts are resampled with replacement (the same draw for both) BOOTSTRAP times."""
+    the difference when the prompts are resampled with replacement (the same draw for both) BOOTSTRAP times.
+    AL here is spec_metrics' 1 + accepted / drafts, unrounded: rounding each resample's AL would coarsen the
+    percentiles."""
     import random
 
     def al(stats, idx):
@@ -116,7 +118,8 @@ def main() -> int:
             prompt_stats.append({**dict.fromkeys(COUNTERS, 0), "accepted_per_pos": [0] * k})
             decode(target, ids, max_tokens=max_tokens, max_model_len=max_len, stop=stop, draft=draft, k=k,
                    stats=prompt_stats[-1])
-        per = {cat: total([s for (c, _), s in zip(prompts, prompt_stats) if c == cat]) for cat, _ in prompts}
+        per = {cat: total([s for (c, _), s in zip(prompts, prompt_stats) if c == cat])
+               for cat in dict.fromkeys(c for c, _ in prompts)}
         per["all"] = total(prompt_stats)
         table[name] = {"path": path, "seconds": round(time.time() - t0, 1),
                        "al": {c: round(spec_metrics(v, k)["acceptance_length"], 3) for c, v in per.items()},
@@ -130,7 +133,7 @@ def main() -> int:
         print(f"| {name} | " + " | ".join(f"{r['al'][c]:.3f}" for c in cats) + " |")
     names = list(table)
     for name in names[1:]:
-        table[name]["vs_first"] = paired_difference(table[names[0]]["per_prompt"], table[name]["per_prompt"], k)
+        table[name]["vs_first"] = paired_difference(table[names[0]]["per_prompt"], table[name]["per_prompt"])
         d = table[name]["vs_first"]
         print(f"[by-category] {name} - {names[0]}: {d['diff']:+.4f} AL, 95 % interval over prompts "
               f"[{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]; higher on {d['prompts_higher']}, lower on {d['prompts_lower']}")
